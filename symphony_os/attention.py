@@ -1,0 +1,112 @@
+"""Attention over the paged KV pool, behind one interface with several backends.
+
+Every backend takes the same `AttentionMetadata` (built once per batch, shared by all layers)
+and the per-layer cache views `k_cache`, `v_cache` of shape
+`[num_pages, page_size, num_kv_heads, head_dim]`. Tokens of a batch are packed: sequence b owns
+query rows `query_start_loc[b] : query_start_loc[b + 1]`, its new tokens are already stored
+at the end of its `context_lens[b]` cached tokens, and query row j of b sits at absolute
+index `context_lens[b] - query_len_b + j` (causal: it sees cache indices up to that one).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Plain description of one batch's attention layout (see the module docstring)."""
+
+    slot_mapping: torch.Tensor  # [T] int64: flat slot (page * page_size + offset) of each new token
+    page_table: torch.Tensor  # [B, max_pages] int32, padded with 0
+    context_lens: torch.Tensor  # [B] int32, cached tokens per sequence after this batch's append
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    query_lens: list[int]
+    context_lens_host: list[int]
+    page_size: int
+    sliding_window: int | None = None
+    # Filled by the backend's prepare(): tensors reused by every layer of the batch.
+    cache: dict = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens)
+
+    @property
+    def max_context_len(self) -> int:
+        return max(self.context_lens_host)
+
+
+class TorchAttention:
+    """The reference backend: gathers each sequence's pages into a padded batch and calls
+    torch's scaled_dot_product_attention with an explicit causal mask. Runs anywhere."""
+
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        device = meta.page_table.device
+        num_seqs, max_q, max_ctx = meta.num_seqs, meta.max_query_len, meta.max_context_len
+        key_index = torch.arange(max_ctx, device=device)
+        pages = meta.page_table.long().gather(1, (key_index // meta.page_size).expand(num_seqs, -1))
+        ctx = meta.context_lens.long()[:, None]
+        key_valid = key_index[None, :] < ctx
+        # Keys past a sequence's length point at slot 0; the mask hides them.
+        meta.cache["key_slots"] = torch.where(key_valid, pages * meta.page_size + key_index % meta.page_size, 0)
+        q_lens = torch.tensor(meta.query_lens, device=device)[:, None]
+        query_index = torch.arange(max_q, device=device)[None, :]
+        query_pos = ctx - q_lens + query_index  # [B, max_q] absolute index of each query row
+        mask = key_index[None, None, :] <= query_pos[:, :, None]
+        if meta.sliding_window:
+            mask &= key_index[None, None, :] > query_pos[:, :, None] - meta.sliding_window
+        # Padded query rows see key 0 only, so their softmax stays finite; their output is dropped.
+        query_valid = query_index < q_lens
+        mask = torch.where(query_valid[:, :, None], mask, key_index[None, None, :] == 0)
+        meta.cache["mask"] = mask[:, None]  # [B, 1, max_q, max_ctx]
+        meta.cache["query_valid"] = query_valid.expand(num_seqs, -1)
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              meta: AttentionMetadata) -> None:
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        num_seqs, max_q = meta.num_seqs, meta.max_query_len
+        key_slots = meta.cache["key_slots"]
+        keys = k_cache.view(-1, *k_cache.shape[2:])[key_slots].transpose(1, 2)  # [B, Hkv, L, D]
+        values = v_cache.view(-1, *v_cache.shape[2:])[key_slots].transpose(1, 2)
+        if max_q == 1:
+            queries = q[:, :, None, :]  # [B, H, 1, D]: one row per sequence, already in order
+        else:
+            valid = meta.cache["query_valid"]
+            queries = q.new_zeros(num_seqs, max_q, *q.shape[1:])
+            queries[valid] = q
+            queries = queries.transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=meta.cache["mask"], scale=scale,
+            enable_gqa=queries.shape[1] != keys.shape[1],
+        )
+        if max_q == 1:
+            return out[:, :, 0, :]
+        return out.transpose(1, 2)[meta.cache["query_valid"]]
+
+
+BACKENDS = {"torch": TorchAttention}
+
+
+def select_backend(device: torch.device, requested: str | None = None):
+    """The attention backend for `device`: `requested` (or $SYMPHONY_ATTENTION) when given,
+    else the best one available."""
+    requested = requested or os.environ.get("SYMPHONY_ATTENTION") or None
+    if requested is not None:
+        if requested not in BACKENDS:
+            raise ValueError(f"unknown attention backend {requested!r}; choose one of {sorted(BACKENDS)}")
+        return BACKENDS[requested]()
+    return TorchAttention()

@@ -1,0 +1,109 @@
+"""The `symphony` command line."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .sampling import Sample
+
+
+def _engine_options(func):
+    options = [
+        click.option("--model", "model_path", type=click.Path(file_okay=False), default=None,
+                     help="Hugging Face model directory (default: $SYMPHONY_MODEL, else the bundled default)."),
+        click.option("--device", default=None, help="cpu or cuda (default: cuda when available)."),
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+                     help="Weights and KV dtype (default: float32 on CPU, bfloat16 on GPU)."),
+        click.option("--attention", default=None, help="Force an attention backend (also $SYMPHONY_ATTENTION)."),
+        click.option("--page-size", default=16, show_default=True, help="KV page size in tokens."),
+        click.option("--kv-pages", default=None, type=int, help="KV pool size in pages (default: by memory)."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _make_engine(model_path, device, dtype, attention, page_size, kv_pages):
+    from .engine import Engine
+    from .loader import ModelLoadError, default_model_path, load_model
+
+    try:
+        loaded = load_model(model_path or default_model_path(), dtype=dtype, device=device)
+        return Engine(loaded, page_size=page_size, num_pages=kv_pages, attention=attention)
+    except (ModelLoadError, ValueError) as error:
+        raise click.ClickException(str(error)) from error
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """Symphony: serve LLM inference programs, not prompts."""
+
+
+@main.command()
+@_engine_options
+@click.option("--prompt", required=True, help="Text to continue.")
+@click.option("--max-tokens", default=64, show_default=True, help="Tokens to generate at most.")
+@click.option("--temperature", default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--top-k", default=0, show_default=True, help="0 keeps all tokens.")
+@click.option("--seed", default=None, type=int, help="Seed for sampling (step i uses seed + i).")
+def generate(model_path, device, dtype, attention, page_size, kv_pages, prompt, max_tokens, temperature,
+             top_p, top_k, seed):
+    """Stream a completion of PROMPT through the batch scheduler."""
+    engine = _make_engine(model_path, device, dtype, attention, page_size, kv_pages)
+    eos = set(engine.loaded.eos_token_ids)
+    session = engine.session()
+    handle = session.create()
+    ids = engine.tokenize(prompt)
+    generated: list[int] = []
+    printed = ""
+    feed = ids
+    for step in range(max_tokens):
+        want = Sample(temperature=temperature, top_p=top_p, top_k=top_k,
+                      seed=None if seed is None else seed + step)
+        token = engine.pred(session, handle, feed, want=want).token
+        if token in eos:
+            break
+        generated.append(token)
+        feed = [token]
+        # Decode the whole text each time: a character may span several tokens.
+        text = engine.detokenize(ids + generated)
+        if text.startswith(printed):
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+    text = engine.detokenize(ids + generated)
+    sys.stdout.write((text[len(printed):] if text.startswith(printed) else "\n" + text) + "\n")
+    session.close_all()
+
+
+@main.command()
+@_engine_options
+def info(model_path, device, dtype, attention, page_size, kv_pages):
+    """Print the model's shape, dtype, device, attention backend and KV pool size."""
+    engine = _make_engine(model_path, device, dtype, attention, page_size, kv_pages)
+    loaded, cfg, pool = engine.loaded, engine.loaded.config, engine.pool.stats()
+    rows = [
+        ("model", f"{loaded.name} ({cfg.model_type}) at {loaded.path}"),
+        ("parameters", f"{cfg.num_params / 1e6:.2f}M"),
+        ("layers", cfg.num_layers),
+        ("hidden size", cfg.hidden_size),
+        ("intermediate size", cfg.intermediate_size),
+        ("heads / kv heads / head dim", f"{cfg.num_heads} / {cfg.num_kv_heads} / {cfg.head_dim}"),
+        ("vocab size", cfg.vocab_size),
+        ("max positions", cfg.max_position_embeddings),
+        ("eos token ids", list(loaded.eos_token_ids)),
+        ("dtype", str(loaded.model.dtype).replace("torch.", "")),
+        ("device", str(loaded.model.device)),
+        ("attention backend", engine.backend.name),
+        ("kv pool", f"{pool.total} pages x {pool.page_size} tokens = {pool.total * pool.page_size} tokens, "
+                    f"{pool.total * pool.bytes_per_page / 2**20:.1f} MiB"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        click.echo(f"{name:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""The engine loop: takes `pred` requests from any thread, asks the batch scheduler for a plan,
+reserves KV slots through KVFS, runs the model once per batch, and completes each request with
+what it asked for. It owns no policy of its own: scheduling is in `scheduler.py`, memory in
+`kvfs.py`/`pool.py`, the model in `model_runner.py`."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from .attention import select_backend
+from .errors import InvalidArgument, PoolExhausted, SymphonyError
+from .kvfs import KVFS, KvSession
+from .loader import LoadedModel, load_model
+from .model_runner import ModelRunner, SequenceInput
+from .pool import KVPool
+from .sampling import PredResult, Sample, Want, process_logits, validate_want
+from .scheduler import BatchPlan, BatchScheduler, PredRequest
+
+DEFAULT_CPU_KV_BYTES = 512 * 2**20
+GPU_KV_FRACTION = 0.8  # of the device memory free after the weights
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters since the engine started. Times in seconds."""
+
+    batches: int
+    requests: int
+    sequences: int
+    tokens: int
+    queue_wait_s: float
+    forward_s: float
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.sequences / self.batches if self.batches else 0.0
+
+    @property
+    def tokens_per_batch(self) -> float:
+        return self.tokens / self.batches if self.batches else 0.0
+
+    @property
+    def mean_queue_wait_ms(self) -> float:
+        return 1000 * self.queue_wait_s / self.requests if self.requests else 0.0
+
+
+def default_num_pages(loaded: LoadedModel, page_size: int) -> int:
+    cfg, device = loaded.config, loaded.model.device
+    element = torch.empty((), dtype=loaded.model.dtype).element_size()
+    bytes_per_page = 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * element
+    budget = DEFAULT_CPU_KV_BYTES
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * GPU_KV_FRACTION)
+    return max(1, budget // bytes_per_page)
+
+
+class Engine:
+    """Model + KV pool + KVFS + batch scheduler, driven by `step()` or a background thread."""
+
+    def __init__(self, loaded: LoadedModel, page_size: int = 16, num_pages: int | None = None,
+                 token_budget: int = 512, max_batch_size: int = 256, attention: str | None = None):
+        self.loaded = loaded
+        cfg = loaded.config
+        self.pool = KVPool(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+            num_pages or default_num_pages(loaded, page_size), page_size,
+            loaded.model.dtype, loaded.model.device,
+        )
+        self.kvfs = KVFS(self.pool)
+        self.scheduler = BatchScheduler(token_budget, max_batch_size)
+        self.backend = select_backend(loaded.model.device, attention)
+        self.runner = ModelRunner(loaded.model, self.pool, self.backend)
+        self._generator = torch.Generator().manual_seed(0)
+        self._queue_lock = threading.Condition()
+        self._step_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._counters = dict(batches=0, requests=0, sequences=0, tokens=0, queue_wait_s=0.0, forward_s=0.0)
+
+    @classmethod
+    def from_path(cls, path, device: str | None = None, dtype: str | None = None, **kwargs) -> "Engine":
+        return cls(load_model(path, dtype=dtype, device=device), **kwargs)
+
+    # ---- the Python API ----
+
+    def session(self, tenant: str = "default") -> KvSession:
+        return self.kvfs.session(tenant)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.loaded.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.loaded.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def submit(self, session: KvSession, handle: int, tokens: list[int], positions: list[int] | None = None,
+               want: Want = Sample()) -> Future:
+        """Queue a pred: append `tokens` to the file behind `handle` (at `positions`; None
+        continues the file) and answer `want`. Returns a Future of PredResult (or the error)."""
+        vocab = self.loaded.config.vocab_size
+        tokens = list(tokens)
+        if not tokens:
+            raise InvalidArgument("pred needs at least one token")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
+            raise InvalidArgument(f"token ids must be integers in [0, {vocab})")
+        if positions is not None:
+            positions = list(positions)
+            if len(positions) != len(tokens):
+                raise InvalidArgument(f"{len(tokens)} tokens but {len(positions)} positions")
+        validate_want(want, vocab)
+        with self.kvfs.lock:
+            file = session.file_of(handle, write=True)
+            self.kvfs.acquire(file)
+            file.inflight += 1
+        request = PredRequest(file, tokens, positions, want)
+        with self._queue_lock:
+            self.scheduler.add(request)
+            self._queue_lock.notify()
+        return request.future
+
+    def pred(self, session: KvSession, handle: int, tokens: list[int], positions: list[int] | None = None,
+             want: Want = Sample()) -> PredResult:
+        """submit() and wait; without a background thread, runs batches in this thread."""
+        future = self.submit(session, handle, tokens, positions, want)
+        if self._thread is None:
+            while not future.done():
+                self.step()
+        return future.result()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(**self._counters)
+
+    # ---- the loop ----
+
+    def step(self) -> bool:
+        """Run one batch; False when nothing was waiting."""
+        with self._step_lock:
+            with self._queue_lock:
+                plan = self.scheduler.schedule()
+            if plan is None:
+                return False
+            files = [chunk.request.file for chunk in plan.chunks]
+            with self.kvfs.protect(files):
+                runnable, seqs = self._prepare(plan)
+                if runnable:
+                    self._run(runnable, seqs)
+            return True
+
+    def _prepare(self, plan: BatchPlan):
+        """Reserve KV slots for each chunk; a chunk that cannot run fails its request (or, when
+        only memory is short and others run, waits for the next batch)."""
+        runnable, seqs = [], []
+        now = time.perf_counter()
+        for chunk in plan.chunks:
+            request, file = chunk.request, chunk.request.file
+            try:
+                with self.kvfs.lock:
+                    if request.length_before is None:
+                        request.length_before = file.length
+                        request.started_at = now
+                        if request.positions is None:
+                            start = file.next_position
+                            request.positions = list(range(start, start + len(request.tokens)))
+                    positions = request.positions[chunk.start:chunk.start + chunk.count]
+                    slots = self.kvfs.reserve_slots(file, positions)
+                    page_table = list(self.kvfs.page_table(file))
+                    context_len = file.length
+            except PoolExhausted as error:
+                if len(plan.chunks) > 1:
+                    continue  # others in this batch hold the memory: try again next batch
+                self._finish(request, error=error)
+                continue
+            except SymphonyError as error:
+                self._finish(request, error=error)
+                continue
+            runnable.append(chunk)
+            seqs.append(SequenceInput(
+                tokens=request.tokens[chunk.start:chunk.start + chunk.count], positions=positions,
+                slots=slots, page_table=page_table, context_len=context_len, wants_logits=chunk.is_last,
+            ))
+        return runnable, seqs
+
+    def _run(self, chunks, seqs) -> None:
+        started = time.perf_counter()
+        try:
+            logits = self.runner.run(seqs)
+            finishing = [c for c in chunks if c.is_last]
+            results = process_logits(logits, [c.request.want for c in finishing], self._generator)
+        except Exception as error:  # a failed forward fails its batch, not the engine
+            for chunk in chunks:
+                self._finish(chunk.request, error=error)
+            return
+        c = self._counters
+        c["batches"] += 1
+        c["sequences"] += len(chunks)
+        c["tokens"] += sum(len(s.tokens) for s in seqs)
+        c["forward_s"] += time.perf_counter() - started
+        done = iter(results)
+        for chunk in chunks:
+            chunk.request.done += chunk.count
+            if chunk.is_last:
+                self._finish(chunk.request, result=next(done))
+
+    def _finish(self, request: PredRequest, result: PredResult | None = None,
+                error: BaseException | None = None) -> None:
+        """Take the request out of the queue, release its file, and complete its future."""
+        with self._queue_lock:
+            self.scheduler.remove(request)
+        with self.kvfs.lock:
+            file = request.file
+            if error is not None and request.length_before is not None:
+                # Undo the chunks already appended: a failed pred leaves the file as it was.
+                self.kvfs.shrink(file, request.length_before)
+            file.inflight -= 1
+            self.kvfs.release(file)
+        if request.started_at is not None:
+            self._counters["requests"] += 1
+            self._counters["queue_wait_s"] += request.started_at - request.submitted_at
+        if error is not None:
+            request.future.set_exception(error)
+        else:
+            request.future.set_result(result)
+
+    def run_until_idle(self) -> None:
+        while self.step():
+            pass
+
+    def start(self) -> None:
+        """Run batches on a background thread until `stop()`."""
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="symphony-batch", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._queue_lock:
+                while not self.scheduler and not self._stopping:
+                    self._queue_lock.wait()
+                if self._stopping:
+                    return
+            self.step()
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        with self._queue_lock:
+            self._stopping = True
+            self._queue_lock.notify_all()
+        self._thread.join()
+        self._thread = None

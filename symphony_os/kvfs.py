@@ -1,0 +1,615 @@
+"""KVFS: the file system for KV caches (the paper's KV-cache file system).
+
+A KV file is a list of pool pages plus a length in tokens. Files are reached through handles
+(small integers local to one `KvSession`, so a handle means nothing to anyone else). A file
+may have a name in its owner's namespace; named files outlive their handles until removed or
+evicted, anonymous files die with their last handle.
+
+Positions: every token's KV was computed at a RoPE position. Writes must continue a file without
+gaps: a non-empty file takes exactly `next_position, next_position + 1, ...`; an empty file may
+start anywhere. Files built by `merge` keep each part's positions (Prompt-Cache-style reuse).
+
+Memory: when the pool runs short, KVFS evicts closed named files (lowest priority first, then
+least recently used; pinned files and files inside their keep-for window are spared), then
+swaps pages of open files that the current batch does not use to host memory, and only then
+refuses with `PoolExhausted`.
+
+Sharing between tenants: a file's owner may share it read-only with named tenants, who open it
+as `@owner/path` with `OpenFlags.READ_ONLY`.
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from .errors import (
+    BadHandle,
+    FileBusy,
+    FileExists,
+    FileNotFound,
+    InvalidArgument,
+    LimitExceeded,
+    PermissionDenied,
+    PositionError,
+    ReadOnlyFile,
+)
+from .pool import HostPage, KVPool
+
+MAX_PATH_BYTES = 255
+_PATH_COMPONENT = re.compile(r"^[A-Za-z0-9._\-]+$")
+
+
+class OpenFlags(enum.IntFlag):
+    """Flags of `KvSession.open`; the values are part of the guest ABI."""
+
+    NONE = 0
+    CREATE = 1
+    EXCLUSIVE = 2
+    READ_ONLY = 4
+
+
+@dataclass
+class EvictionHints:
+    """How the owner wants a file treated under memory pressure.
+
+    pinned: never evicted or swapped by the system.
+    keep_for_s: not evicted for this many seconds after its last use; after that it goes first.
+    drop_on_close: a named file that is removed when its last handle closes.
+    priority: among evictable files, lower priority goes first (then least recently used).
+    """
+
+    pinned: bool = False
+    keep_for_s: float | None = None
+    drop_on_close: bool = False
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class FileStat:
+    """What `stat` and `list` report about one file."""
+
+    name: str | None
+    owner: str
+    length: int
+    pages: int
+    swapped_pages: int
+    next_position: int
+    open_handles: int
+    shared_with: tuple[str, ...]
+    hints: EvictionHints
+    idle_s: float
+
+
+class KvFile:
+    """One KV file (an inode). Only KVFS touches its fields, under its lock."""
+
+    __slots__ = (
+        "file_id", "name", "owner", "pages", "length", "runs", "refs", "inflight",
+        "hints", "last_used", "shared_with",
+    )
+
+    def __init__(self, file_id: int, owner: str, name: str | None, now: float):
+        self.file_id = file_id
+        self.name = name
+        self.owner = owner
+        self.pages: list[int | HostPage] = []
+        self.length = 0
+        # Position runs: (first token index, its position); a run continues +1 per token
+        # until the next run starts. One run per merge part, so this stays tiny.
+        self.runs: list[tuple[int, int]] = []
+        self.refs = 0  # open handles + pred requests holding the file
+        self.inflight = 0  # pred requests submitted and not yet completed
+        self.hints = EvictionHints()
+        self.last_used = now
+        self.shared_with: frozenset[str] = frozenset()
+
+    @property
+    def next_position(self) -> int:
+        if not self.runs:
+            return 0
+        index, position = self.runs[-1]
+        return position + (self.length - index)
+
+    def position_at(self, i: int) -> int:
+        for index, position in reversed(self.runs):
+            if index <= i:
+                return position + (i - index)
+        raise IndexError(i)
+
+    def runs_between(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The position runs of tokens [start, end), re-based so that `start` is index 0."""
+        runs = [(0, self.position_at(start))] if end > start else []
+        runs += [(index - start, pos) for index, pos in self.runs if start < index < end]
+        return runs
+
+    @property
+    def resident(self) -> bool:
+        return not any(isinstance(page, HostPage) for page in self.pages)
+
+
+@dataclass
+class _Handle:
+    file: KvFile
+    writable: bool
+
+
+class KVFS:
+    """The KV file system over one pool: files, names, eviction and swapping.
+
+    Thread-safe: every operation holds one lock. Processes and tenants use it through
+    `session(tenant)`; the batch scheduler uses `reserve_slots` / `page_table` / `protect`.
+    """
+
+    def __init__(self, pool: KVPool, clock=time.monotonic):
+        self.pool = pool
+        self.clock = clock
+        self.lock = threading.RLock()
+        self._files: dict[int, KvFile] = {}
+        self._names: dict[tuple[str, str], KvFile] = {}
+        self._next_file_id = 1
+        self._protected: set[int] = set()
+        self.evicted_files = 0
+        self.swapped_out_pages = 0
+        pool.reclaim = self._reclaim
+
+    def session(self, tenant: str = "default", max_handles: int = 4096) -> "KvSession":
+        """A handle table for one process, naming files in `tenant`'s namespace."""
+        return KvSession(self, tenant, max_handles)
+
+    # ---- used by sessions and the scheduler, always under self.lock ----
+
+    def _new_file(self, owner: str, name: str | None = None) -> KvFile:
+        file = KvFile(self._next_file_id, owner, name, self.clock())
+        self._next_file_id += 1
+        self._files[file.file_id] = file
+        if name is not None:
+            self._names[(owner, name)] = file
+        return file
+
+    def acquire(self, file: KvFile) -> None:
+        file.refs += 1
+        file.last_used = self.clock()
+
+    def release(self, file: KvFile) -> None:
+        """Drop one reference; anonymous files (and drop-on-close ones) die with the last."""
+        file.refs -= 1
+        file.last_used = self.clock()
+        if file.refs > 0:
+            return
+        if file.name is None:
+            self._free_file(file)
+        elif file.hints.drop_on_close:
+            self._unlink(file)
+            self._free_file(file)
+
+    def _unlink(self, file: KvFile) -> None:
+        if file.name is not None:
+            del self._names[(file.owner, file.name)]
+            file.name = None
+
+    def _free_file(self, file: KvFile) -> None:
+        self._drop_pages(file.pages)
+        file.pages = []
+        file.length = 0
+        file.runs = []
+        del self._files[file.file_id]
+
+    def _drop_pages(self, pages: list[int | HostPage]) -> None:
+        device_pages = [p for p in pages if not isinstance(p, HostPage)]
+        self.pool.decref(device_pages)
+        for page in pages:
+            if isinstance(page, HostPage):
+                self.pool.discard(page)
+
+    def _share_pages(self, pages: list[int | HostPage]) -> list[int | HostPage]:
+        """References to `pages` for a second file: device pages are shared, host pages copied."""
+        self.pool.incref([p for p in pages if not isinstance(p, HostPage)])
+        shared = []
+        for page in pages:
+            if isinstance(page, HostPage):
+                page = HostPage(page.k.clone(), page.v.clone())
+                self.pool._swapped += 1
+            shared.append(page)
+        return shared
+
+    def lookup(self, tenant: str, path: str) -> KvFile | None:
+        owner, name = _split_path(tenant, path)
+        return self._names.get((owner, name))
+
+    def ensure_resident(self, file: KvFile) -> None:
+        """Swap the file's host pages back into the pool."""
+        if file.resident:
+            return
+        with self.protect([file]):
+            for i, page in enumerate(file.pages):
+                if isinstance(page, HostPage):
+                    file.pages[i] = self.pool.swap_in(page)
+
+    @contextlib.contextmanager
+    def protect(self, files: list[KvFile]) -> Iterator[None]:
+        """Within this block, the given files are not swapped out to make room (the lock is
+        taken only to update the protected set, so a forward pass can run inside)."""
+        with self.lock:
+            added = {f.file_id for f in files} - self._protected
+            self._protected |= added
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._protected -= added
+
+    def reserve_slots(self, file: KvFile, positions: list[int]) -> list[int]:
+        """Make room for `len(positions)` new tokens at the end of `file` and return their flat
+        slot indices (`page * page_size + offset`). Copies a shared, partly filled last page
+        first (copy-on-write). The tokens count as part of the file from now on."""
+        n = len(positions)
+        if n == 0:
+            raise InvalidArgument("pred needs at least one token")
+        if file.length > 0 and positions[0] != file.next_position:
+            raise PositionError(
+                f"positions must continue the file: expected {file.next_position}, got {positions[0]}"
+            )
+        for a, b in zip(positions, positions[1:]):
+            if b != a + 1:
+                raise PositionError(f"positions must increase by one: {a} then {b}")
+        if positions[0] < 0:
+            raise PositionError(f"positions must be non-negative, got {positions[0]}")
+        slots = self._grow(file, n)
+        if file.length == n:
+            file.runs = [(0, positions[0])]
+        return slots
+
+    def _grow(self, file: KvFile, n: int) -> list[int]:
+        """Add `n` token slots at the end of the file (pages allocated, a shared partly filled
+        last page copied first) and return their flat slot indices."""
+        self.ensure_resident(file)
+        page_size = self.pool.page_size
+        with self.protect([file]):
+            if file.length % page_size and self.pool.refcount[file.pages[-1]] > 1:
+                old = file.pages[-1]
+                file.pages[-1] = self.pool.copy_page(old)
+                self.pool.decref([old])
+            needed = -(-(file.length + n) // page_size) - len(file.pages)
+            file.pages.extend(self.pool.allocate(needed))
+        slots = [
+            file.pages[i // page_size] * page_size + i % page_size
+            for i in range(file.length, file.length + n)
+        ]
+        file.length += n
+        file.last_used = self.clock()
+        return slots
+
+    def page_table(self, file: KvFile) -> list[int]:
+        """Device page ids of a resident file, in token order."""
+        assert file.resident, "page_table of a swapped-out file"
+        return file.pages  # type: ignore[return-value]
+
+    def copy_range(self, src: KvFile, start: int, end: int, dst: KvFile) -> None:
+        """Append src's tokens [start, end) to dst, sharing whole pages where alignment allows."""
+        page_size = self.pool.page_size
+        if end <= start:
+            return
+        self.ensure_resident(src)
+        with self.protect([src, dst]):
+            if start % page_size == 0 and dst.length % page_size == 0:
+                first, last = start // page_size, -(-end // page_size)
+                dst.pages.extend(self._share_pages(src.pages[first:last]))
+                base = dst.length
+                dst.runs += [(base + i, p) for i, p in src.runs_between(start, end)]
+                dst.length += end - start
+                return
+            base = dst.length
+            dst_slots = self._grow(dst, end - start)
+            dst.runs += [(base + i, p) for i, p in src.runs_between(start, end)]
+            src_slots = [
+                src.pages[i // page_size] * page_size + i % page_size for i in range(start, end)
+            ]
+            device = self.pool.device
+            self.pool.copy_tokens(
+                torch.tensor(src_slots, device=device), torch.tensor(dst_slots, device=device)
+            )
+
+    def truncate_file(self, file: KvFile, length: int) -> None:
+        if length < 0 or length > file.length:
+            raise InvalidArgument(f"truncate to {length}: the file has {file.length} tokens")
+        if file.inflight:
+            raise FileBusy("the file has a pred in flight; wait for it before truncating")
+        self.shrink(file, length)
+
+    def shrink(self, file: KvFile, length: int) -> None:
+        """Cut the file to its first `length` tokens, freeing whole pages past them."""
+        keep_pages = -(-length // self.pool.page_size)
+        self._drop_pages(file.pages[keep_pages:])
+        del file.pages[keep_pages:]
+        file.runs = [(i, p) for i, p in file.runs if i < length]
+        file.length = length
+        file.last_used = self.clock()
+
+    def _reclaim(self, pages_needed: int) -> None:
+        """Free pages: evict closed named files, then swap unprotected open files to host."""
+        target = self.pool.free_pages + pages_needed
+        now = self.clock()
+
+        def evictable(f: KvFile) -> bool:
+            if f.refs or f.hints.pinned or f.name is None:
+                return False
+            return f.hints.keep_for_s is None or now - f.last_used >= f.hints.keep_for_s
+
+        victims = sorted(
+            (f for f in self._files.values() if evictable(f)),
+            key=lambda f: (f.hints.keep_for_s is None, f.hints.priority, f.last_used),
+        )
+        for file in victims:
+            if self.pool.free_pages >= target:
+                return
+            self._unlink(file)
+            self._free_file(file)
+            self.evicted_files += 1
+        swappable = sorted(
+            (
+                f for f in self._files.values()
+                if f.refs and not f.hints.pinned and f.file_id not in self._protected
+            ),
+            key=lambda f: (f.hints.priority, f.last_used),
+        )
+        for file in swappable:
+            for i, page in enumerate(file.pages):
+                if self.pool.free_pages >= target:
+                    return
+                if not isinstance(page, HostPage) and self.pool.refcount[page] == 1:
+                    file.pages[i] = self.pool.swap_out(page)
+                    self.swapped_out_pages += 1
+
+    def stat_file(self, file: KvFile) -> FileStat:
+        swapped = sum(isinstance(p, HostPage) for p in file.pages)
+        return FileStat(
+            name=file.name,
+            owner=file.owner,
+            length=file.length,
+            pages=len(file.pages),
+            swapped_pages=swapped,
+            next_position=file.next_position,
+            open_handles=file.refs,
+            shared_with=tuple(sorted(file.shared_with)),
+            hints=EvictionHints(**vars(file.hints)),
+            idle_s=self.clock() - file.last_used,
+        )
+
+    def list_files(self, tenant: str, prefix: str = "") -> list[FileStat]:
+        """Named files of `tenant` plus files other tenants share with it (as `@owner/name`)."""
+        with self.lock:
+            out = []
+            for (owner, name), file in sorted(self._names.items()):
+                visible = owner == tenant or tenant in file.shared_with or "*" in file.shared_with
+                shown = name if owner == tenant else f"@{owner}/{name}"
+                if visible and shown.startswith(prefix):
+                    out.append(self.stat_file(file))
+            return out
+
+    @property
+    def file_count(self) -> int:
+        return len(self._files)
+
+
+def _validate_name(name: str) -> str:
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument("a KV file name must be a non-empty string")
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+        raise InvalidArgument(f"a KV file name is at most {MAX_PATH_BYTES} bytes")
+    for part in name.split("/"):
+        if part in ("", ".", "..") or not _PATH_COMPONENT.match(part):
+            raise InvalidArgument(
+                f"bad KV file name {name[:64]!r}: use '/'-separated parts of letters, digits, '.', '_', '-' "
+                "(no empty parts, '.' or '..')"
+            )
+    return name
+
+
+def _split_path(tenant: str, path: str) -> tuple[str, str]:
+    """`name` is in the caller's namespace; `@owner/name` in another tenant's."""
+    if isinstance(path, str) and path.startswith("@"):
+        owner, sep, name = path[1:].partition("/")
+        if not sep or not owner:
+            raise InvalidArgument(f"bad shared path {path[:64]!r}: expected '@owner/name'")
+        _validate_name(owner)
+        return owner, _validate_name(name)
+    return tenant, _validate_name(path)
+
+
+class KvSession:
+    """One process's view of KVFS: its handle table, in one tenant's namespace.
+
+    Handles are small positive integers valid only in this session. `close_all` (at process
+    exit) releases everything the session still holds.
+    """
+
+    def __init__(self, fs: KVFS, tenant: str, max_handles: int):
+        _validate_name(tenant)
+        self.fs = fs
+        self.tenant = tenant
+        self.max_handles = max_handles
+        self._handles: dict[int, _Handle] = {}
+        self._next_handle = 1
+
+    def _add(self, file: KvFile, writable: bool) -> int:
+        if len(self._handles) >= self.max_handles:
+            raise LimitExceeded(f"too many open KV handles (limit {self.max_handles})")
+        handle = self._next_handle
+        self._next_handle += 1
+        self.fs.acquire(file)
+        self._handles[handle] = _Handle(file, writable)
+        return handle
+
+    def _get(self, handle: int) -> _Handle:
+        entry = self._handles.get(handle) if isinstance(handle, int) else None
+        if entry is None:
+            raise BadHandle(f"KV handle {handle!r} is not open in this process")
+        return entry
+
+    def file_of(self, handle: int, write: bool = False) -> KvFile:
+        """The file behind a handle; `write` demands a writable handle."""
+        with self.fs.lock:
+            entry = self._get(handle)
+            if write and not entry.writable:
+                raise ReadOnlyFile(f"KV handle {handle} is read-only; fork it to write")
+            return entry.file
+
+    def _new_handle_for_new_file(self) -> tuple[int, KvFile]:
+        file = self.fs._new_file(self.tenant)
+        try:
+            return self._add(file, writable=True), file
+        except LimitExceeded:
+            self.fs._free_file(file)
+            raise
+
+    def create(self) -> int:
+        """A new empty anonymous file; returns its handle."""
+        with self.fs.lock:
+            return self._new_handle_for_new_file()[0]
+
+    def open(self, path: str, flags: int = OpenFlags.NONE) -> int:
+        """Open a named file. CREATE makes it when missing (EXCLUSIVE: fail if it exists);
+        READ_ONLY gives a handle that cannot append or truncate."""
+        flags = OpenFlags(flags) if isinstance(flags, int) and 0 <= flags < 8 else None
+        if flags is None:
+            raise InvalidArgument("open flags must be a combination of CREATE=1, EXCLUSIVE=2, READ_ONLY=4")
+        with self.fs.lock:
+            owner, name = _split_path(self.tenant, path)
+            file = self.fs._names.get((owner, name))
+            foreign = owner != self.tenant
+            if foreign:
+                if file is None or not (self.tenant in file.shared_with or "*" in file.shared_with):
+                    raise FileNotFound(f"no KV file {path!r} is shared with tenant {self.tenant!r}")
+                if not flags & OpenFlags.READ_ONLY:
+                    raise PermissionDenied(f"{path!r} is shared read-only: open it with READ_ONLY")
+                return self._add(file, writable=False)
+            if file is not None:
+                if flags & OpenFlags.CREATE and flags & OpenFlags.EXCLUSIVE:
+                    raise FileExists(f"KV file {path!r} already exists")
+                return self._add(file, writable=not flags & OpenFlags.READ_ONLY)
+            if not flags & OpenFlags.CREATE:
+                raise FileNotFound(f"no KV file named {path!r} (never created, removed or evicted)")
+            file = self.fs._new_file(self.tenant, name)
+            try:
+                return self._add(file, writable=not flags & OpenFlags.READ_ONLY)
+            except LimitExceeded:
+                self.fs._unlink(file)
+                self.fs._free_file(file)
+                raise
+
+    def fork(self, handle: int) -> int:
+        """A new anonymous writable file with the same tokens; shares pages (copy-on-write)."""
+        return self.extract(handle, 0, None)
+
+    def extract(self, handle: int, start: int, end: int | None) -> int:
+        """A new anonymous file holding tokens [start, end) of the file (end None: to the end)."""
+        with self.fs.lock:
+            src = self._get(handle).file
+            end = src.length if end is None else end
+            if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= src.length):
+                raise InvalidArgument(f"extract range [{start}, {end}) is outside the file's {src.length} tokens")
+            new, file = self._new_handle_for_new_file()
+            try:
+                self.fs.copy_range(src, start, end, file)
+            except BaseException:
+                self.close(new)
+                raise
+            return new
+
+    def merge(self, first: int, second: int) -> int:
+        """A new anonymous file: the tokens of `first` followed by those of `second`, each at
+        its own positions."""
+        with self.fs.lock:
+            a, b = self._get(first).file, self._get(second).file
+            new, file = self._new_handle_for_new_file()
+            try:
+                self.fs.copy_range(a, 0, a.length, file)
+                self.fs.copy_range(b, 0, b.length, file)
+            except BaseException:
+                self.close(new)
+                raise
+            return new
+
+    def truncate(self, handle: int, length: int) -> None:
+        """Keep only the first `length` tokens."""
+        with self.fs.lock:
+            self.fs.truncate_file(self.file_of(handle, write=True), length)
+
+    def len(self, handle: int) -> int:
+        """Tokens in the file."""
+        with self.fs.lock:
+            return self._get(handle).file.length
+
+    def close(self, handle: int) -> None:
+        with self.fs.lock:
+            entry = self._get(handle)
+            del self._handles[handle]
+            self.fs.release(entry.file)
+
+    def remove(self, path: str) -> None:
+        """Remove a name; the file lives on while handles to it are open."""
+        with self.fs.lock:
+            owner, name = _split_path(self.tenant, path)
+            if owner != self.tenant:
+                raise PermissionDenied(f"only the owner can remove {path!r}")
+            file = self.fs._names.get((owner, name))
+            if file is None:
+                raise FileNotFound(f"no KV file named {path!r}")
+            self.fs._unlink(file)
+            if file.refs == 0:
+                self.fs._free_file(file)
+
+    def set_hints(self, handle: int, **hints) -> None:
+        """Set eviction hints (see EvictionHints) on the file behind a writable handle."""
+        with self.fs.lock:
+            file = self.file_of(handle, write=True)
+            current = vars(file.hints).copy()
+            unknown = set(hints) - set(current)
+            if unknown:
+                raise InvalidArgument(f"unknown eviction hints {sorted(unknown)}")
+            current.update(hints)
+            if current["keep_for_s"] is not None and not current["keep_for_s"] >= 0:
+                raise InvalidArgument("keep_for_s must be >= 0 seconds")
+            file.hints = EvictionHints(**current)
+            file.last_used = self.fs.clock()
+
+    def share(self, path: str, tenants: list[str]) -> None:
+        """Share an own named file read-only with `tenants` ("*": everyone); [] un-shares."""
+        with self.fs.lock:
+            file = self.fs._names.get((self.tenant, _validate_name(path)))
+            if file is None:
+                raise FileNotFound(f"no KV file named {path!r}")
+            file.shared_with = frozenset(t if t == "*" else _validate_name(t) for t in tenants)
+
+    def stat(self, handle_or_path: int | str) -> FileStat:
+        with self.fs.lock:
+            if isinstance(handle_or_path, int):
+                return self.fs.stat_file(self._get(handle_or_path).file)
+            owner, name = _split_path(self.tenant, handle_or_path)
+            file = self.fs._names.get((owner, name))
+            visible = file is not None and (
+                owner == self.tenant or self.tenant in file.shared_with or "*" in file.shared_with
+            )
+            if not visible:
+                raise FileNotFound(f"no KV file named {handle_or_path!r}")
+            return self.fs.stat_file(file)
+
+    def list(self, prefix: str = "") -> list[FileStat]:
+        return self.fs.list_files(self.tenant, prefix)
+
+    @property
+    def open_handles(self) -> int:
+        return len(self._handles)
+
+    def close_all(self) -> None:
+        """Close every handle this session still holds (process exit)."""
+        with self.fs.lock:
+            for handle in list(self._handles):
+                self.close(handle)

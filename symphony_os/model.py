@@ -1,0 +1,172 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) that reads and writes K/V
+through the paged pool.
+
+One model for every device; attention goes through a backend from `attention.py`. Q/K/V and
+gate/up projections are fused into one matrix each at load time: fewer, larger matmuls.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from .attention import AttentionMetadata
+from .pool import KVPool
+
+
+@dataclass
+class ModelConfig:
+    """The shape of a decoder, read from a transformers config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_hf(cls, config) -> "ModelConfig":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        use_window = getattr(config, "use_sliding_window", True)  # Qwen2 keeps a window it does not use
+        return cls(
+            model_type=config.model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            hidden_act=config.hidden_act,
+            sliding_window=(getattr(config, "sliding_window", None) or None) if use_window else None,
+        )
+
+    @property
+    def num_params(self) -> int:
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp) + embed
+
+
+def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
+    """Inverse RoPE frequencies and the cos/sin scale, as transformers computes them."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    return inv_freq.float(), float(scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # In float32 like transformers, then back: keeps logits within 1e-4 of the reference.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, 1, D] (rotate-half layout, as Hugging Face checkpoints use)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderLayer:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]):
+        self.cfg = cfg
+        self.input_norm = weights["input_norm"]
+        self.qkv = weights["qkv"]
+        self.qkv_bias = weights.get("qkv_bias")
+        self.q_norm = weights.get("q_norm")
+        self.k_norm = weights.get("k_norm")
+        self.o = weights["o"]
+        self.post_norm = weights["post_norm"]
+        self.gate_up = weights["gate_up"]
+        self.down = weights["down"]
+        self.act = ACT2FN[cfg.hidden_act]
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, hidden, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend):
+        cfg = self.cfg
+        x = rms_norm(hidden, self.input_norm, cfg.rms_norm_eps)
+        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        backend.store(k, v, k_cache, v_cache, meta)
+        attn = backend.attend(q, k_cache, v_cache, meta, self.scale)
+        hidden = hidden + F.linear(attn.reshape(-1, self.q_size), self.o)
+        x = rms_norm(hidden, self.post_norm, cfg.rms_norm_eps)
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return hidden + F.linear(self.act(gate) * up, self.down)
+
+
+class DecoderModel:
+    """The decoder. `forward` runs packed tokens of many sequences; `logits` projects the rows
+    that need a next-token distribution."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], inv_freq: torch.Tensor,
+                 rope_scale: float):
+        self.cfg = cfg
+        self.embed = weights["embed"]
+        self.norm = weights["norm"]
+        self.lm_head = weights["lm_head"]
+        self.layers = [
+            DecoderLayer(cfg, {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")})
+            for i in range(cfg.num_layers)
+        ]
+        self.inv_freq = inv_freq.to(self.embed.device)
+        self.rope_scale = rope_scale
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                pool: KVPool, backend) -> torch.Tensor:
+        """input_ids, positions: [T]; returns the final hidden states [T, hidden_size]."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos = (emb.cos() * self.rope_scale).to(self.dtype)
+        sin = (emb.sin() * self.rope_scale).to(self.dtype)
+        backend.prepare(meta)
+        hidden = F.embedding(input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            hidden = layer.forward(hidden, cos, sin, pool.k[i], pool.v[i], meta, backend)
+        return hidden
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
+        return F.linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()

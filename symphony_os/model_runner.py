@@ -1,0 +1,64 @@
+"""Turns a batch of prepared sequences (plain lists) into tensors, runs the model over the paged
+pool, and returns the logits of the rows that need a next-token distribution."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from .attention import AttentionMetadata
+from .model import DecoderModel
+from .pool import KVPool
+
+
+@dataclass
+class SequenceInput:
+    """One sequence of a batch: its new tokens, their positions and slots, and its pages."""
+
+    tokens: list[int]
+    positions: list[int]
+    slots: list[int]
+    page_table: list[int]
+    context_len: int  # cached tokens after this append
+    wants_logits: bool
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, pool: KVPool, backend):
+        self.model = model
+        self.pool = pool
+        self.backend = backend
+        self.device = model.device
+
+    def build_metadata(self, seqs: list[SequenceInput]) -> AttentionMetadata:
+        device = self.device
+        max_pages = max(len(s.page_table) for s in seqs)
+        table = [s.page_table + [0] * (max_pages - len(s.page_table)) for s in seqs]
+        query_lens = [len(s.tokens) for s in seqs]
+        starts = [0, *accumulate(query_lens)]
+        slots = [slot for s in seqs for slot in s.slots]
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            page_table=torch.tensor(table, dtype=torch.int32, device=device),
+            context_lens=torch.tensor([s.context_len for s in seqs], dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            query_lens=query_lens,
+            context_lens_host=[s.context_len for s in seqs],
+            page_size=self.pool.page_size,
+            sliding_window=self.model.cfg.sliding_window,
+        )
+
+    def run(self, seqs: list[SequenceInput]) -> torch.Tensor:
+        """Forward pass over all sequences; float32 logits [N, vocab] of the last token of each
+        sequence with `wants_logits`, in order."""
+        meta = self.build_metadata(seqs)
+        device = self.device
+        input_ids = torch.tensor([t for s in seqs for t in s.tokens], dtype=torch.int64, device=device)
+        positions = torch.tensor([p for s in seqs for p in s.positions], dtype=torch.int64, device=device)
+        hidden = self.model.forward(input_ids, positions, meta, self.pool, self.backend)
+        ends = accumulate(meta.query_lens)
+        last_rows = [end - 1 for s, end in zip(seqs, ends) if s.wants_logits]
+        if not last_rows:
+            return torch.empty(0, self.model.cfg.vocab_size, device=device)
+        return self.model.logits(hidden[torch.tensor(last_rows, device=device)])
