@@ -1,0 +1,66 @@
+"""Shared fixtures: the stories260K model from ../shared, and small random Hugging Face models
+(Llama, Mistral, Qwen2, Qwen3) built with transformers inside the test run."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+
+
+@pytest.fixture(scope="session")
+def stories_path() -> Path:
+    if not SHARED_MODEL.is_dir():
+        pytest.skip(f"needs the stories260K model at {SHARED_MODEL} (../shared beside the checkout)")
+    return SHARED_MODEL
+
+
+def _word_tokenizer(vocab_size: int):
+    """A real fast tokenizer over words 'w0'..'wN' (enough to round-trip ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+TINY_SHAPES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def build_hf_model(directory: Path, model_type: str, seed: int = 0, **overrides) -> Path:
+    """Save a random model of `model_type` with a tokenizer into `directory`; returns it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = {**TINY_SHAPES, **overrides}
+    config = AutoConfig.for_model(model_type, bos_token_id=1, eos_token_id=2, **shape)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # random init is tiny; larger weights make logit errors visible
+        for param in model.parameters():
+            param.normal_(0, 0.2)
+    model.save_pretrained(directory)
+    _word_tokenizer(shape["vocab_size"]).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return build_hf_model(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture
+def tiny_engine(tiny_llama):
+    """An engine on the tiny Llama with a small pool; checks for leaked pages afterwards."""
+    from symphony_os.engine import Engine
+
+    engine = Engine.from_path(tiny_llama, device="cpu", page_size=4, num_pages=128)
+    yield engine
+    engine.stop()
+    stats = engine.pool.stats()
+    assert stats.used == 0 and stats.swapped == 0, f"leaked KV pages: {stats}"

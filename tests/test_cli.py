@@ -1,0 +1,43 @@
+"""The `symphony` command line."""
+import torch
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from symphony_os.cli import main
+
+
+def test_generate_prints_what_transformers_greedy_generate_prints(stories_path):
+    prompt = "Once upon a time"
+    result = CliRunner().invoke(main, ["generate", "--model", str(stories_path), "--prompt", prompt,
+                                       "--max-tokens", "40"])
+    assert result.exit_code == 0, result.output
+    tokenizer = AutoTokenizer.from_pretrained(stories_path)
+    model = AutoModelForCausalLM.from_pretrained(stories_path, dtype=torch.float32)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=40, do_sample=False)
+    expected = tokenizer.decode(out[0], skip_special_tokens=True)
+    assert result.output == expected + "\n"
+
+
+def test_generate_with_seed_is_reproducible(tiny_llama):
+    args = ["generate", "--model", str(tiny_llama), "--prompt", "w5 w6", "--max-tokens", "12",
+            "--temperature", "1.0", "--seed", "7"]
+    first, second = CliRunner().invoke(main, args), CliRunner().invoke(main, args)
+    assert first.exit_code == 0, first.output
+    assert first.output == second.output and len(first.output.split()) > 2
+
+
+def test_info_describes_model_and_pool(tiny_llama):
+    result = CliRunner().invoke(main, ["info", "--model", str(tiny_llama), "--kv-pages", "100", "--page-size", "8"])
+    assert result.exit_code == 0, result.output
+    rows = {line[:28].strip(): line[28:].strip() for line in result.output.splitlines()}
+    assert rows["attention backend"] == "torch"
+    assert rows["kv pool"].startswith("100 pages x 8 tokens = 800 tokens")
+    assert rows["heads / kv heads / head dim"] == "4 / 2 / 16"
+    assert rows["device"] == "cpu" and rows["dtype"] == "float32"
+
+
+def test_bad_model_directory_is_a_one_line_error(tmp_path):
+    result = CliRunner().invoke(main, ["info", "--model", str(tmp_path)])
+    assert result.exit_code != 0
+    assert "no config.json" in result.output and "Traceback" not in result.output

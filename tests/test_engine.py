@@ -1,0 +1,210 @@
+"""The engine: batching invariants, what pred returns, and errors, on a tiny random Llama."""
+import threading
+
+import pytest
+import torch
+
+from symphony_os.engine import Engine
+from symphony_os.errors import BadHandle, InvalidArgument, PoolExhausted, PositionError, ReadOnlyFile
+from symphony_os.kvfs import OpenFlags
+from symphony_os.sampling import Distribution, Sample, TopK
+
+PROMPTS = [[1, 5, 9, 17, 33, 65, 3, 12, 100, 7, 8, 9, 10], [1, 40], [1, 90, 91, 92, 93, 94], [1, 7, 7, 7, 7, 7, 7, 7, 7]]
+
+
+def greedy_alone(engine, prompt, steps):
+    """Tokens and final distribution of one sequence run by itself."""
+    kv = engine.session()
+    h = kv.create()
+    tokens, feed, probs = [], prompt, None
+    for _ in range(steps):
+        probs = engine.pred(kv, h, feed, want=Distribution()).probs
+        tokens.append(int(probs.argmax()))
+        feed = [tokens[-1]]
+    kv.close_all()
+    return tokens, probs
+
+
+def greedy_together(engine, prompts, steps, kv=None, handles=None):
+    """The same for many sequences whose preds are all in flight together."""
+    kv = kv or engine.session()
+    handles = handles or [kv.create() for _ in prompts]
+    feeds, tokens, probs = list(prompts), [[] for _ in prompts], [None] * len(prompts)
+    for _ in range(steps):
+        futures = [engine.submit(kv, h, f, want=Distribution()) for h, f in zip(handles, feeds)]
+        engine.run_until_idle()
+        for i, fut in enumerate(futures):
+            probs[i] = fut.result().probs
+            tokens[i].append(int(probs[i].argmax()))
+            feeds[i] = [tokens[i][-1]]
+    kv.close_all()
+    return tokens, probs
+
+
+def test_chunked_prefill_equals_single_prefill(tiny_llama):
+    whole = Engine.from_path(tiny_llama, device="cpu", page_size=4, num_pages=64, token_budget=512)
+    chunked = Engine.from_path(tiny_llama, device="cpu", page_size=4, num_pages=64, token_budget=3)
+    prompt = PROMPTS[0]
+    t1, p1 = greedy_alone(whole, prompt, 5)
+    t2, p2 = greedy_alone(chunked, prompt, 5)
+    assert t1 == t2
+    assert torch.allclose(p1, p2, atol=1e-5)
+    assert chunked.stats().batches > whole.stats().batches
+
+
+def test_batch_of_unrelated_sequences_matches_running_alone(tiny_engine):
+    alone = [greedy_alone(tiny_engine, p, 8) for p in PROMPTS]
+    before = tiny_engine.stats().batches
+    together_tokens, together_probs = greedy_together(tiny_engine, PROMPTS, 8)
+    assert tiny_engine.stats().batches - before == 8  # one batch per step for all four
+    for (tokens, probs), t, p in zip(alone, together_tokens, together_probs):
+        assert t == tokens
+        assert torch.allclose(p, probs, atol=1e-5)
+
+
+def test_forks_decoded_in_one_batch_match_independent_sequences(tiny_engine):
+    prefix = PROMPTS[0]
+    branches = [[3], [50], [77], [101]]
+    expected = [greedy_alone(tiny_engine, prefix + b, 6)[0] for b in branches]
+    kv = tiny_engine.session()
+    root = kv.create()
+    tiny_engine.pred(kv, root, prefix)
+    forks = [kv.fork(root) for _ in branches]
+    kv.close(root)
+    batches = tiny_engine.stats().batches
+    tokens, _ = greedy_together(tiny_engine, branches, 6, kv=kv, handles=forks)
+    assert tokens == expected
+    assert tiny_engine.stats().batches - batches == 6
+
+
+def test_several_preds_of_one_producer_land_in_one_batch(tiny_engine):
+    kv = tiny_engine.session()
+    handles = [kv.create() for _ in range(3)]
+    futures = [tiny_engine.submit(kv, h, [1, 2 + i]) for i, h in enumerate(handles)]
+    assert tiny_engine.step() and not tiny_engine.step()
+    assert all(f.done() for f in futures)
+    stats = tiny_engine.stats()
+    assert (stats.batches, stats.sequences, stats.tokens) == (1, 3, 6)
+    kv.close_all()
+
+
+def test_what_pred_returns(tiny_engine):
+    kv = tiny_engine.session()
+    h = kv.create()
+    probs = tiny_engine.pred(kv, h, [1, 5, 9], want=Distribution()).probs
+    assert probs.shape == (128,) and abs(probs.sum().item() - 1) < 1e-5
+    kv.truncate(h, 0)
+    top = tiny_engine.pred(kv, h, [1, 5, 9], want=TopK(5))
+    assert top.top_ids == probs.topk(5).indices.tolist()
+    assert torch.allclose(torch.tensor(top.top_logprobs), probs.topk(5).values.log(), atol=1e-5)
+    kv.truncate(h, 0)
+    assert tiny_engine.pred(kv, h, [1, 5, 9]).token == int(probs.argmax())
+    kv.close_all()
+
+
+def sample_next(engine, prompt, want):
+    kv = engine.session()
+    h = kv.create()
+    token = engine.pred(kv, h, prompt, want=want).token
+    kv.close_all()
+    return token
+
+
+def test_sampling_seed_mask_bias_top_k(tiny_engine):
+    prompt = [1, 5, 9]
+    seeded = [sample_next(tiny_engine, prompt, Sample(temperature=1.0, seed=s)) for s in range(20)]
+    assert seeded == [sample_next(tiny_engine, prompt, Sample(temperature=1.0, seed=s)) for s in range(20)]
+    assert len(set(seeded)) > 1  # random weights: a flat-ish distribution
+    allowed = (10, 11, 12)
+    for s in range(20):
+        assert sample_next(tiny_engine, prompt, Sample(temperature=2.0, seed=s, allowed_tokens=allowed)) in allowed
+    assert sample_next(tiny_engine, prompt, Sample(logit_bias={42: 1e4})) == 42
+    greedy = sample_next(tiny_engine, prompt, Sample())
+    for s in range(10):
+        assert sample_next(tiny_engine, prompt, Sample(temperature=1.0, top_k=1, seed=s)) == greedy
+        assert sample_next(tiny_engine, prompt, Sample(temperature=1.0, top_p=1e-6, seed=s)) == greedy
+
+
+@pytest.mark.parametrize("want", [TopK(0), TopK(1000), Sample(temperature=-1), Sample(top_p=0),
+                                  Sample(allowed_tokens=()), Sample(allowed_tokens=(500,)),
+                                  Sample(logit_bias={-3: 1.0}), "argmax"])
+def test_bad_requests_are_refused_at_submit(tiny_engine, want):
+    kv = tiny_engine.session()
+    h = kv.create()
+    with pytest.raises(InvalidArgument):
+        tiny_engine.submit(kv, h, [1, 2], want=want)
+    kv.close_all()
+
+
+def test_bad_tokens_handles_and_read_only_are_refused(tiny_engine):
+    kv = tiny_engine.session()
+    h = kv.create()
+    for tokens in ([], [128], [-1], [1.5]):
+        with pytest.raises(InvalidArgument):
+            tiny_engine.submit(kv, h, tokens)
+    with pytest.raises(InvalidArgument):
+        tiny_engine.submit(kv, h, [1, 2], positions=[0])
+    kv.close(h)
+    with pytest.raises(BadHandle):
+        tiny_engine.submit(kv, h, [1])
+    named = kv.open("p", OpenFlags.CREATE)
+    tiny_engine.pred(kv, named, [1, 2, 3])
+    ro = kv.open("p", OpenFlags.READ_ONLY)
+    with pytest.raises(ReadOnlyFile):
+        tiny_engine.submit(kv, ro, [4])
+    kv.close_all()
+    kv.remove("p")
+
+
+def test_position_gap_fails_the_pred_and_leaves_the_file(tiny_engine):
+    kv = tiny_engine.session()
+    h = kv.create()
+    tiny_engine.pred(kv, h, [1, 2, 3])
+    with pytest.raises(PositionError):
+        tiny_engine.pred(kv, h, [4], positions=[7])
+    assert kv.len(h) == 3
+    assert tiny_engine.pred(kv, h, [4], positions=[3]).token is not None
+    kv.close_all()
+
+
+def test_exhausted_pool_fails_cleanly_and_rolls_back(tiny_llama):
+    engine = Engine.from_path(tiny_llama, device="cpu", page_size=4, num_pages=4, token_budget=6)
+    kv = engine.session()
+    h = kv.create()
+    kv.set_hints(h, pinned=True)
+    engine.pred(kv, h, [1, 2, 3])
+    with pytest.raises(PoolExhausted):
+        engine.pred(kv, h, list(range(1, 20)))  # the first chunk fits, the rest does not
+    assert kv.len(h) == 3  # chunks already appended were undone
+    assert engine.pred(kv, h, [4]).token is not None
+    kv.close_all()
+    assert engine.pool.stats().used == 0
+
+
+def test_closing_a_handle_mid_flight_still_answers_and_frees(tiny_engine):
+    kv = tiny_engine.session()
+    h = kv.create()
+    future = tiny_engine.submit(kv, h, [1, 2, 3])
+    kv.close(h)
+    tiny_engine.run_until_idle()
+    assert future.result().token is not None
+    assert tiny_engine.pool.stats().used == 0
+
+
+def test_background_thread_serves_many_producers(tiny_engine):
+    expected = [greedy_alone(tiny_engine, p, 6)[0] for p in PROMPTS]
+    tiny_engine.start()
+    results = [None] * len(PROMPTS)
+
+    def produce(i):
+        results[i] = greedy_alone(tiny_engine, PROMPTS[i], 6)[0]
+
+    threads = [threading.Thread(target=produce, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    tiny_engine.stop()
+    assert results == expected
+    stats = tiny_engine.stats()
+    assert stats.batches > 0 and stats.mean_batch_size >= 1 and stats.mean_queue_wait_ms >= 0

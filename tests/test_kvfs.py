@@ -1,0 +1,362 @@
+"""KVFS: the KV-cache file system over the paged pool."""
+import itertools
+
+import pytest
+import torch
+
+from symphony_os.errors import (BadHandle, FileBusy, FileExists, FileNotFound, InvalidArgument,
+                                LimitExceeded, PermissionDenied, PoolExhausted, PositionError,
+                                ReadOnlyFile)
+from symphony_os.kvfs import KVFS, OpenFlags
+from symphony_os.pool import KVPool
+
+PAGE = 4
+_marks = itertools.count(1)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def fs(clock):
+    pool = KVPool(num_layers=2, num_kv_heads=1, head_dim=2, num_pages=16, page_size=PAGE)
+    fs = KVFS(pool, clock=clock)
+    yield fs
+    # Nothing may leak: every test closes and removes what it made.
+    assert pool.stats().used == 0 and pool.stats().swapped == 0, pool.stats()
+    assert fs.file_count == 0
+
+
+def write(fs, kv, handle, n, start=None):
+    """Append n tokens with unique marks stored in their K and V; returns the marks."""
+    file = kv.file_of(handle, write=True)
+    start = file.next_position if start is None else start
+    marks = [float(next(_marks)) for _ in range(n)]
+    slots = fs.reserve_slots(file, list(range(start, start + n)))
+    flat_k = fs.pool.k.view(2, -1, 1, 2)
+    flat_v = fs.pool.v.view(2, -1, 1, 2)
+    for slot, mark in zip(slots, marks):
+        flat_k[:, slot] = mark
+        flat_v[:, slot] = -mark
+    return marks
+
+
+def read(fs, kv, handle):
+    """The marks of the file's tokens, checked equal in every layer and in K and V."""
+    file = kv.file_of(handle)
+    fs.ensure_resident(file)
+    out = []
+    for i in range(file.length):
+        slot = file.pages[i // PAGE] * PAGE + i % PAGE
+        k = fs.pool.k.view(2, -1, 1, 2)[:, slot]
+        v = fs.pool.v.view(2, -1, 1, 2)[:, slot]
+        assert torch.all(k == k.flatten()[0]) and torch.all(v == -k.flatten()[0])
+        out.append(k.flatten()[0].item())
+    return out
+
+
+def test_create_write_len_close(fs):
+    kv = fs.session()
+    h = kv.create()
+    marks = write(fs, kv, h, 6)
+    assert kv.len(h) == 6
+    assert read(fs, kv, h) == marks
+    assert fs.pool.stats().used == 2
+    kv.close(h)
+    assert fs.pool.stats().used == 0
+
+
+def test_fork_shares_pages_until_write(fs):
+    kv = fs.session()
+    h = kv.create()
+    marks = write(fs, kv, h, 6)
+    child = kv.fork(h)
+    assert fs.pool.stats().used == 2 and fs.pool.stats().shared == 2
+    assert read(fs, kv, child) == marks
+    extra = write(fs, kv, child, 1)  # appends into the shared, partly filled second page
+    assert fs.pool.stats().used == 3 and fs.pool.stats().shared == 1
+    assert read(fs, kv, child) == marks + extra
+    assert read(fs, kv, h) == marks  # the parent is untouched
+    parent_extra = write(fs, kv, h, 3)
+    assert read(fs, kv, h) == marks + parent_extra
+    assert read(fs, kv, child) == marks + extra
+    kv.close_all()
+
+
+def test_fork_at_page_boundary_copies_nothing(fs):
+    kv = fs.session()
+    h = kv.create()
+    write(fs, kv, h, 8)
+    child = kv.fork(h)
+    write(fs, kv, child, 1)
+    assert fs.pool.stats().used == 3  # two shared full pages and one new page
+    kv.close_all()
+
+
+def test_extract_aligned_shares_and_unaligned_copies(fs):
+    kv = fs.session()
+    h = kv.create()
+    marks = write(fs, kv, h, 10)
+    aligned = kv.extract(h, 4, 9)
+    assert read(fs, kv, aligned) == marks[4:9]
+    assert kv.stat(aligned).next_position == 9
+    unaligned = kv.extract(h, 3, 7)
+    assert read(fs, kv, unaligned) == marks[3:7]
+    assert kv.stat(unaligned).next_position == 7
+    with pytest.raises(InvalidArgument):
+        kv.extract(h, 5, 11)
+    kv.close_all()
+
+
+def test_merge_keeps_each_part_positions(fs):
+    kv = fs.session()
+    a, b = kv.create(), kv.create()
+    ma = write(fs, kv, a, 5)
+    mb = write(fs, kv, b, 3, start=100)
+    merged = kv.merge(a, b)
+    assert read(fs, kv, merged) == ma + mb
+    file = kv.file_of(merged)
+    assert [file.position_at(i) for i in range(8)] == [0, 1, 2, 3, 4, 100, 101, 102]
+    assert file.next_position == 103
+    more = write(fs, kv, merged, 2)
+    assert read(fs, kv, merged) == ma + mb + more
+    assert read(fs, kv, a) == ma and read(fs, kv, b) == mb
+    kv.close_all()
+
+
+def test_truncate_frees_pages_and_rewinds_position(fs):
+    kv = fs.session()
+    h = kv.create()
+    marks = write(fs, kv, h, 10)
+    kv.truncate(h, 5)
+    assert kv.len(h) == 5 and read(fs, kv, h) == marks[:5]
+    assert fs.pool.stats().used == 2
+    assert kv.stat(h).next_position == 5
+    again = write(fs, kv, h, 2)
+    assert read(fs, kv, h) == marks[:5] + again
+    with pytest.raises(InvalidArgument):
+        kv.truncate(h, 8)
+    kv.close_all()
+
+
+def test_truncate_with_pred_in_flight_is_busy(fs):
+    kv = fs.session()
+    h = kv.create()
+    write(fs, kv, h, 2)
+    kv.file_of(h).inflight += 1
+    with pytest.raises(FileBusy):
+        kv.truncate(h, 1)
+    kv.file_of(h).inflight -= 1
+    kv.close_all()
+
+
+def test_position_gaps_are_refused(fs):
+    kv = fs.session()
+    h = kv.create()
+    write(fs, kv, h, 3)
+    file = kv.file_of(h, write=True)
+    with pytest.raises(PositionError, match="expected 3, got 5"):
+        fs.reserve_slots(file, [5])
+    with pytest.raises(PositionError, match="increase by one"):
+        fs.reserve_slots(file, [3, 5])
+    with pytest.raises(PositionError, match="non-negative"):
+        fs.reserve_slots(kv.file_of(kv.create(), write=True), [-1])
+    assert kv.len(h) == 3
+    kv.close_all()
+
+
+def test_named_files_open_flags(fs):
+    kv = fs.session()
+    with pytest.raises(FileNotFound):
+        kv.open("sys/prompt")
+    h = kv.open("sys/prompt", OpenFlags.CREATE | OpenFlags.EXCLUSIVE)
+    marks = write(fs, kv, h, 5)
+    with pytest.raises(FileExists):
+        kv.open("sys/prompt", OpenFlags.CREATE | OpenFlags.EXCLUSIVE)
+    kv.close(h)
+    assert fs.pool.stats().used == 2  # a named file outlives its handles
+    ro = kv.open("sys/prompt", OpenFlags.READ_ONLY)
+    assert read(fs, kv, ro) == marks
+    with pytest.raises(ReadOnlyFile):
+        kv.truncate(ro, 1)
+    with pytest.raises(ReadOnlyFile):
+        kv.file_of(ro, write=True)
+    child = kv.fork(ro)  # forks of read-only files are writable
+    write(fs, kv, child, 1)
+    assert [s.name for s in kv.list()] == ["sys/prompt"]
+    kv.close_all()
+    kv.remove("sys/prompt")
+    with pytest.raises(FileNotFound):
+        kv.remove("sys/prompt")
+
+
+def test_remove_while_open_keeps_data_until_close(fs):
+    kv = fs.session()
+    h = kv.open("doc", OpenFlags.CREATE)
+    marks = write(fs, kv, h, 3)
+    kv.remove("doc")
+    assert kv.list() == [] and read(fs, kv, h) == marks
+    kv.close(h)
+
+
+@pytest.mark.parametrize("name", ["", "..", "a/../b", "/abs", "a//b", "nul\x00", "x" * 300, "sp ace", "a/./b"])
+def test_bad_names_are_refused(fs, name):
+    kv = fs.session()
+    with pytest.raises(InvalidArgument):
+        kv.open(name, OpenFlags.CREATE)
+
+
+def test_closed_stale_and_foreign_handles_are_refused(fs):
+    kv, other = fs.session("alice"), fs.session("bob")
+    h = kv.create()
+    kv.close(h)
+    for bad in (h, 0, -1, 99999, "1", None):
+        with pytest.raises(BadHandle):
+            kv.len(bad)
+    mine = kv.create()
+    with pytest.raises(BadHandle):
+        other.close(mine + 1000)
+    with pytest.raises(BadHandle):
+        kv.close(h)  # double close
+    kv.close_all()
+
+
+def test_tenants_are_isolated_and_can_share_read_only(fs):
+    alice, bob, carol = fs.session("alice"), fs.session("bob"), fs.session("carol")
+    h = alice.open("docs/intro", OpenFlags.CREATE)
+    marks = write(fs, alice, h, 5)
+    with pytest.raises(FileNotFound):
+        bob.open("docs/intro")  # bob's namespace has no such file
+    with pytest.raises(FileNotFound):
+        bob.open("@alice/docs/intro", OpenFlags.READ_ONLY)  # not shared yet
+    alice.share("docs/intro", ["bob"])
+    with pytest.raises(PermissionDenied):
+        bob.open("@alice/docs/intro")  # only read-only
+    ro = bob.open("@alice/docs/intro", OpenFlags.READ_ONLY)
+    assert read(fs, bob, ro) == marks
+    with pytest.raises(PermissionDenied):
+        bob.remove("@alice/docs/intro")
+    with pytest.raises(FileNotFound):
+        carol.open("@alice/docs/intro", OpenFlags.READ_ONLY)
+    assert [s.name for s in bob.list()] == ["docs/intro"] and carol.list() == []
+    for kv in (alice, bob):
+        kv.close_all()
+    alice.remove("docs/intro")
+
+
+def test_handle_limit(fs):
+    kv = fs.session(max_handles=2)
+    kv.create(), kv.create()
+    with pytest.raises(LimitExceeded):
+        kv.create()
+    with pytest.raises(LimitExceeded):
+        kv.open("x", OpenFlags.CREATE)
+    assert fs.file_count == 2
+    kv.close_all()
+
+
+def test_drop_on_close_removes_named_file(fs):
+    kv = fs.session()
+    h = kv.open("tmp", OpenFlags.CREATE)
+    write(fs, kv, h, 3)
+    kv.set_hints(h, drop_on_close=True)
+    kv.close(h)
+    assert kv.list() == []
+
+
+def _named(fs, kv, name, n, **hints):
+    h = kv.open(name, OpenFlags.CREATE)
+    write(fs, kv, h, n)
+    if hints:
+        kv.set_hints(h, **hints)
+    kv.close(h)
+
+
+def test_pool_pressure_evicts_closed_named_files_lru(fs, clock):
+    kv = fs.session()
+    for i, name in enumerate(["old", "mid", "new"]):
+        clock.now += 1
+        _named(fs, kv, name, 16)  # 4 pages each: 12 of 16 used
+    h = kv.create()
+    write(fs, kv, h, 20)  # needs 5 pages: the least recently used file goes
+    assert [s.name for s in kv.list()] == ["mid", "new"]
+    assert fs.evicted_files == 1
+    kv.close_all()
+    kv.remove("mid"), kv.remove("new")
+
+
+def test_pinned_priority_and_keep_for(fs, clock):
+    kv = fs.session()
+    _named(fs, kv, "pinned", 16, pinned=True)
+    _named(fs, kv, "kept", 16, keep_for_s=10)
+    _named(fs, kv, "low", 16, priority=-1)
+    _named(fs, kv, "normal", 16)  # the pool is full
+    clock.now += 1
+    h = kv.create()
+    write(fs, kv, h, 8)  # 2 pages wanted, 0 free: the low-priority file goes first
+    assert sorted(s.name for s in kv.list()) == ["kept", "normal", "pinned"]
+    clock.now += 20  # past its keep-for window: "kept" is now the first to go
+    write(fs, kv, h, 24)
+    assert sorted(s.name for s in kv.list()) == ["normal", "pinned"]
+    kv.close_all()
+    kv.remove("normal"), kv.remove("pinned")
+
+
+def test_pool_pressure_swaps_open_files_and_swaps_them_back(fs):
+    kv = fs.session()
+    idle = kv.create()
+    idle_marks = write(fs, kv, idle, 40)  # 10 pages, open but unused
+    busy = kv.create()
+    busy_marks = write(fs, kv, busy, 40)  # needs 10: 6 free, so 4 of idle's pages go to host
+    assert fs.pool.stats().swapped == 4 and kv.stat(idle).swapped_pages == 4
+    kv.close(busy)
+    assert read(fs, kv, idle) == idle_marks  # swapped back in on use
+    assert fs.pool.stats().swapped == 0
+    assert len(busy_marks) == 40
+    kv.close_all()
+
+
+def test_exhausted_pool_after_eviction_raises_and_keeps_data(fs):
+    kv = fs.session()
+    h = kv.create()
+    kv.set_hints(h, pinned=True)
+    marks = write(fs, kv, h, 60)
+    with pytest.raises(PoolExhausted):
+        write(fs, kv, h, 8)
+    assert read(fs, kv, h) == marks
+    kv.close_all()
+
+
+def test_fork_of_swapped_file(fs):
+    kv = fs.session()
+    a = kv.create()
+    marks = write(fs, kv, a, 40)
+    b = kv.create()
+    write(fs, kv, b, 40)
+    assert kv.stat(a).swapped_pages
+    child = kv.fork(a)
+    assert read(fs, kv, child) == marks
+    kv.close_all()
+
+
+def test_stat_reports_file(fs):
+    kv = fs.session()
+    h = kv.open("s", OpenFlags.CREATE)
+    write(fs, kv, h, 5)
+    kv.set_hints(h, priority=3)
+    st = kv.stat("s")
+    assert (st.name, st.owner, st.length, st.pages, st.open_handles, st.hints.priority) == ("s", "default", 5, 2, 1, 3)
+    with pytest.raises(InvalidArgument):
+        kv.set_hints(h, colour="red")
+    kv.close_all()
+    kv.remove("s")

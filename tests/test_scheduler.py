@@ -1,0 +1,54 @@
+"""The batch scheduler's policy, on plain requests (no model)."""
+from symphony_os.kvfs import KvFile
+from symphony_os.sampling import Sample
+from symphony_os.scheduler import BatchScheduler, PredRequest
+
+
+def request(file_id, n):
+    return PredRequest(KvFile(file_id, "t", None, 0.0), list(range(n)), None, Sample())
+
+
+def plan_of(scheduler):
+    return [(c.request, c.start, c.count) for c in scheduler.schedule().chunks]
+
+
+def test_decodes_go_first_then_prefill_fills_the_budget():
+    s = BatchScheduler(token_budget=10)
+    prefill, d1, d2 = request(1, 30), request(2, 1), request(3, 1)
+    for r in (prefill, d1, d2):
+        s.add(r)
+    assert plan_of(s) == [(d1, 0, 1), (d2, 0, 1), (prefill, 0, 8)]
+
+
+def test_chunked_prefill_continues_where_it_stopped():
+    s = BatchScheduler(token_budget=8)
+    r = request(1, 20)
+    s.add(r)
+    assert plan_of(s) == [(r, 0, 8)]
+    r.done = 8
+    assert plan_of(s) == [(r, 8, 8)]
+    r.done = 16
+    assert plan_of(s) == [(r, 16, 4)]
+
+
+def test_one_request_per_file_per_batch_in_arrival_order():
+    s = BatchScheduler(token_budget=100)
+    shared = KvFile(7, "t", None, 0.0)
+    first = PredRequest(shared, [1, 2, 3], None, Sample())
+    second = PredRequest(shared, [4], None, Sample())  # a decode, but it must wait for `first`
+    other = request(8, 1)
+    for r in (first, second, other):
+        s.add(r)
+    assert plan_of(s) == [(other, 0, 1), (first, 0, 3)]
+
+
+def test_batch_size_cap():
+    s = BatchScheduler(token_budget=100, max_batch_size=2)
+    rs = [request(i, 1) for i in range(5)]
+    for r in rs:
+        s.add(r)
+    assert plan_of(s) == [(rs[0], 0, 1), (rs[1], 0, 1)]
+
+
+def test_empty_queue_plans_nothing():
+    assert BatchScheduler().schedule() is None
