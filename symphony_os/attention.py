@@ -52,13 +52,12 @@ class TorchAttention:
 
     def prepare(self, meta: AttentionMetadata) -> None:
         device = meta.page_table.device
-        num_seqs, max_q, max_ctx = meta.num_seqs, meta.max_query_len, meta.max_context_len
-        key_index = torch.arange(max_ctx, device=device)
-        pages = meta.page_table.long().gather(1, (key_index // meta.page_size).expand(num_seqs, -1))
+        num_seqs, max_q = meta.num_seqs, meta.max_query_len
+        # Keys are gathered whole pages at a time (a few large copies instead of one per
+        # token), so the key axis is max_pages * page_size long; the mask hides the tail.
+        key_len = meta.page_table.shape[1] * meta.page_size
+        key_index = torch.arange(key_len, device=device)
         ctx = meta.context_lens.long()[:, None]
-        key_valid = key_index[None, :] < ctx
-        # Keys past a sequence's length point at slot 0; the mask hides them.
-        meta.cache["key_slots"] = torch.where(key_valid, pages * meta.page_size + key_index % meta.page_size, 0)
         q_lens = torch.tensor(meta.query_lens, device=device)[:, None]
         query_index = torch.arange(max_q, device=device)[None, :]
         query_pos = ctx - q_lens + query_index  # [B, max_q] absolute index of each query row
@@ -68,8 +67,9 @@ class TorchAttention:
         # Padded query rows see key 0 only, so their softmax stays finite; their output is dropped.
         query_valid = query_index < q_lens
         mask = torch.where(query_valid[:, :, None], mask, key_index[None, None, :] == 0)
-        meta.cache["mask"] = mask[:, None]  # [B, 1, max_q, max_ctx]
+        meta.cache["mask"] = mask[:, None]  # [B, 1, max_q, key_len]
         meta.cache["query_valid"] = query_valid.expand(num_seqs, -1)
+        meta.cache["pages"] = meta.page_table.long().flatten()
 
     def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               meta: AttentionMetadata) -> None:
@@ -79,9 +79,10 @@ class TorchAttention:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         num_seqs, max_q = meta.num_seqs, meta.max_query_len
-        key_slots = meta.cache["key_slots"]
-        keys = k_cache.view(-1, *k_cache.shape[2:])[key_slots].transpose(1, 2)  # [B, Hkv, L, D]
-        values = v_cache.view(-1, *v_cache.shape[2:])[key_slots].transpose(1, 2)
+        pages = meta.cache["pages"]  # flat [B * max_pages]: index_select copies whole pages
+        # [B, Hkv, max_pages * page_size, D]
+        keys = k_cache.index_select(0, pages).view(num_seqs, -1, *k_cache.shape[2:]).transpose(1, 2)
+        values = v_cache.index_select(0, pages).view(num_seqs, -1, *v_cache.shape[2:]).transpose(1, 2)
         if max_q == 1:
             queries = q[:, :, None, :]  # [B, H, 1, D]: one row per sequence, already in order
         else:

@@ -14,6 +14,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .attention import AttentionMetadata
+from .linear import Linear
 from .pool import KVPool
 
 
@@ -93,14 +94,13 @@ class DecoderLayer:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]):
         self.cfg = cfg
         self.input_norm = weights["input_norm"]
-        self.qkv = weights["qkv"]
-        self.qkv_bias = weights.get("qkv_bias")
+        self.qkv = Linear(weights["qkv"], weights.get("qkv_bias"))
         self.q_norm = weights.get("q_norm")
         self.k_norm = weights.get("k_norm")
-        self.o = weights["o"]
+        self.o = Linear(weights["o"])
         self.post_norm = weights["post_norm"]
-        self.gate_up = weights["gate_up"]
-        self.down = weights["down"]
+        self.gate_up = Linear(weights["gate_up"])
+        self.down = Linear(weights["down"])
         self.act = ACT2FN[cfg.hidden_act]
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -109,7 +109,7 @@ class DecoderLayer:
     def forward(self, hidden, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend):
         cfg = self.cfg
         x = rms_norm(hidden, self.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        qkv = self.qkv(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -121,10 +121,10 @@ class DecoderLayer:
         k = apply_rope(k, cos, sin)
         backend.store(k, v, k_cache, v_cache, meta)
         attn = backend.attend(q, k_cache, v_cache, meta, self.scale)
-        hidden = hidden + F.linear(attn.reshape(-1, self.q_size), self.o)
+        hidden = hidden + self.o(attn.reshape(-1, self.q_size))
         x = rms_norm(hidden, self.post_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return hidden + F.linear(self.act(gate) * up, self.down)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return hidden + self.down(self.act(gate) * up)
 
 
 class DecoderModel:
@@ -136,7 +136,7 @@ class DecoderModel:
         self.cfg = cfg
         self.embed = weights["embed"]
         self.norm = weights["norm"]
-        self.lm_head = weights["lm_head"]
+        self.lm_head = Linear(weights["lm_head"])
         self.layers = [
             DecoderLayer(cfg, {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")})
             for i in range(cfg.num_layers)
@@ -169,4 +169,4 @@ class DecoderModel:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
-        return F.linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+        return self.lm_head(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)).float()

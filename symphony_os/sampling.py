@@ -107,7 +107,7 @@ def _sample_row(logits: torch.Tensor, want: Sample, generator: torch.Generator) 
 def process_logits(logits: torch.Tensor, wants: list[Want], default_generator: torch.Generator) -> list[PredResult]:
     """logits [N, V] float32 (one row per request) -> one PredResult per request."""
     results: list[PredResult] = []
-    log_probs = None
+    log_probs = greedy = None
     for row, want in enumerate(wants):
         if isinstance(want, Distribution):
             results.append(PredResult(probs=torch.softmax(logits[row], dim=-1).cpu()))
@@ -116,6 +116,10 @@ def process_logits(logits: torch.Tensor, wants: list[Want], default_generator: t
                 log_probs = torch.log_softmax(logits, dim=-1)
             values, ids = torch.topk(log_probs[row], want.k)
             results.append(PredResult(top_ids=ids.tolist(), top_logprobs=values.tolist()))
+        elif want.temperature == 0 and not want.logit_bias and want.allowed_tokens is None:
+            if greedy is None:  # one argmax over the batch, one transfer
+                greedy = logits.argmax(dim=-1).tolist()
+            results.append(PredResult(token=greedy[row]))
         else:
             generator = default_generator
             if want.seed is not None:
