@@ -34,18 +34,22 @@ def _our_logits(engine: Engine, prompt: list[int], steps: int) -> tuple[list[tor
     return logits, tokens
 
 
-def _reference_logits(path, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    ids = torch.tensor([prompt + tokens[:-1]])
+def _reference_logits(path, prompt: list[int], tokens: list[int], device: str) -> list[torch.Tensor]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    ids = torch.tensor([prompt + tokens[:-1]], device=device)
     with torch.no_grad():
         logits = model(ids).logits[0]
     return list(logits[len(prompt) - 1:])
 
 
-def assert_matches_transformers(path, prompt: list[int], steps: int = 20, **engine_kwargs) -> None:
-    engine = Engine.from_path(path, device="cpu", **engine_kwargs)
+ON_CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))
+
+
+def assert_matches_transformers(path, prompt: list[int], steps: int = 20, device: str = "cpu",
+                                **engine_kwargs) -> None:
+    engine = Engine.from_path(path, device=device, dtype="float32", **engine_kwargs)
     ours, tokens = _our_logits(engine, prompt, steps)
-    reference = _reference_logits(path, prompt, tokens)
+    reference = _reference_logits(path, prompt, tokens, device)
     assert len(ours) == len(reference) == steps + 1
     for step, (a, b) in enumerate(zip(ours, reference)):
         err = (a - b).abs().max().item()
@@ -68,17 +72,19 @@ MODELS = {
 }
 
 
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_logits_match_transformers(name, tmp_path):
+def test_logits_match_transformers(name, device, tmp_path):
     model_type, overrides = MODELS[name]
     path = build_hf_model(tmp_path, model_type, **overrides)
-    assert_matches_transformers(path, PROMPT, page_size=4, num_pages=64)
+    assert_matches_transformers(path, PROMPT, device=device, page_size=4, num_pages=64)
 
 
-def test_logits_match_transformers_on_stories260k(stories_path):
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+def test_logits_match_transformers_on_stories260k(stories_path, device):
     engine = Engine.from_path(stories_path, device="cpu")
     prompt = engine.tokenize("Once upon a time, a little dog")
-    assert_matches_transformers(stories_path, prompt, page_size=16, num_pages=64)
+    assert_matches_transformers(stories_path, prompt, device=device, page_size=16, num_pages=64)
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 16])
