@@ -26,6 +26,7 @@ class ErrorCode(enum.IntEnum):
     LIMIT_EXCEEDED = -12
     UNSUPPORTED = -13
     INTERNAL = -14
+    CLOSED = -15
 
 
 class SymphonyError(Exception):
@@ -111,3 +112,9 @@ class Unsupported(SymphonyError):
     """The request is valid but this build or model cannot serve it."""
 
     code = ErrorCode.UNSUPPORTED
+
+
+class InputClosed(SymphonyError):
+    """The user closed the process's input: no more messages will come."""
+
+    code = ErrorCode.CLOSED

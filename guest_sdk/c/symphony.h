@@ -1,0 +1,179 @@
+/* symphony.h: the C SDK for Symphony LLM Inference Programs (LIPs).
+ *
+ * A LIP is a WASI preview-1 command (`int main(int argc, char **argv)`) compiled to wasm32:
+ *     python -m ziglang cc --target=wasm32-wasi -O2 -I guest_sdk/c prog.c -o prog.wasm
+ * It drives generation through the system calls below, imported from module "symphony" and
+ * described in wit/symphony.wit. Every call returns a negative SYM_E* code on failure.
+ * Header-only: nothing to link.
+ */
+#ifndef SYMPHONY_H
+#define SYMPHONY_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- error codes (wit/symphony.wit, interface errors) ---- */
+#define SYM_EINVAL -1          /* invalid-argument */
+#define SYM_EBADHANDLE -2      /* bad-handle */
+#define SYM_EREADONLY -3       /* read-only */
+#define SYM_EEXIST -4          /* file-exists */
+#define SYM_ENOENT -5          /* file-not-found */
+#define SYM_EPERM -6           /* permission-denied */
+#define SYM_EPOSITION -7       /* position-error */
+#define SYM_ENOSPACE -8        /* pool-exhausted */
+#define SYM_EBUSY -9           /* file-busy */
+#define SYM_EFAULT -10         /* bad-pointer */
+#define SYM_ETOOSMALL -11      /* buffer-too-small */
+#define SYM_ELIMIT -12         /* limit-exceeded */
+#define SYM_EUNSUPPORTED -13   /* unsupported */
+#define SYM_EINTERNAL -14      /* internal */
+#define SYM_ECLOSED -15        /* closed */
+
+/* kv_open flags */
+#define SYM_KV_CREATE 1
+#define SYM_KV_EXCLUSIVE 2
+#define SYM_KV_READ_ONLY 4
+
+/* kv_hint flags */
+#define SYM_HINT_PINNED 1
+#define SYM_HINT_DROP_ON_CLOSE 2
+
+/* pred kinds */
+#define SYM_PRED_DIST 0
+#define SYM_PRED_TOPK 1
+#define SYM_PRED_SAMPLE 2
+
+typedef int32_t sym_kv;      /* a KV file handle (> 0), or a negative error */
+typedef int32_t sym_ticket;  /* a pred in flight (> 0), or a negative error */
+
+/* How the host samples a token (48 bytes; the layout is part of the ABI). */
+typedef struct sym_sampling {
+    float temperature;          /* 0: greedy */
+    float top_p;                /* 1: off */
+    int32_t top_k;              /* 0: off */
+    int32_t has_seed;           /* 1: use seed */
+    uint64_t seed;
+    const int32_t *allowed;     /* allowed token ids (constrained decoding), or NULL */
+    int32_t n_allowed;
+    const int32_t *bias_ids;    /* logit bias: ids ... */
+    const float *bias_values;   /* ... and values added to their logits */
+    int32_t n_bias;
+    int32_t reserved;
+} sym_sampling;
+
+_Static_assert(sizeof(sym_sampling) == 48, "sym_sampling is 48 bytes");
+
+#define SYM_IMPORT(name) __attribute__((import_module("symphony"), import_name(#name)))
+
+/* ---- raw system calls (wit/symphony.wit) ---- */
+SYM_IMPORT(vocab_size) int32_t __sym_vocab_size(void);
+SYM_IMPORT(eos_ids) int32_t __sym_eos_ids(int32_t *out, int32_t cap);
+SYM_IMPORT(bos_id) int32_t __sym_bos_id(void);
+SYM_IMPORT(model_name) int32_t __sym_model_name(char *out, int32_t cap);
+SYM_IMPORT(tokenize) int32_t __sym_tokenize(const char *text, int32_t len, int32_t flags, int32_t *out, int32_t cap);
+SYM_IMPORT(detokenize) int32_t __sym_detokenize(const int32_t *ids, int32_t n, char *out, int32_t cap);
+SYM_IMPORT(kv_create) int32_t __sym_kv_create(void);
+SYM_IMPORT(kv_open) int32_t __sym_kv_open(const char *path, int32_t len, int32_t flags);
+SYM_IMPORT(kv_fork) int32_t __sym_kv_fork(int32_t kv);
+SYM_IMPORT(kv_extract) int32_t __sym_kv_extract(int32_t kv, int32_t start, int32_t end);
+SYM_IMPORT(kv_merge) int32_t __sym_kv_merge(int32_t first, int32_t second);
+SYM_IMPORT(kv_len) int32_t __sym_kv_len(int32_t kv);
+SYM_IMPORT(kv_truncate) int32_t __sym_kv_truncate(int32_t kv, int32_t len);
+SYM_IMPORT(kv_close) int32_t __sym_kv_close(int32_t kv);
+SYM_IMPORT(kv_remove) int32_t __sym_kv_remove(const char *path, int32_t len);
+SYM_IMPORT(kv_hint) int32_t __sym_kv_hint(int32_t kv, int32_t flags, int32_t keep_for_ms, int32_t priority);
+SYM_IMPORT(pred_submit) int32_t __sym_pred_submit(int32_t kv, const int32_t *ids, const int32_t *pos, int32_t n, int32_t kind, int32_t arg);
+SYM_IMPORT(pred_wait) int32_t __sym_pred_wait(int32_t ticket, void *out, int32_t cap);
+SYM_IMPORT(send) int32_t __sym_send(const char *msg, int32_t len);
+SYM_IMPORT(recv) int32_t __sym_recv(char *buf, int32_t cap);
+
+/* ---- the SDK ---- */
+
+/* Model */
+static inline int sym_vocab_size(void) { return __sym_vocab_size(); }
+/* The first end-of-sequence id. */
+static inline int32_t sym_eos(void) { int32_t id = -1; int n = __sym_eos_ids(&id, 1); return n > 0 ? id : (n < 0 ? n : SYM_EUNSUPPORTED); }
+/* Is `token` one of the model's end-of-sequence ids? */
+static inline int sym_is_eos(int32_t token) {
+    int32_t ids[8]; int n = __sym_eos_ids(ids, 8);
+    for (int i = 0; i < n && i < 8; i++) if (ids[i] == token) return 1;
+    return 0;
+}
+static inline int32_t sym_bos(void) { return __sym_bos_id(); }
+static inline int sym_model_name(char *out, int cap) { return __sym_model_name(out, cap); }
+
+/* Tokens. Both return the full count (ids or bytes); at most `cap` are written. */
+static inline int sym_tokenize(const char *text, int32_t *out, int cap) { return __sym_tokenize(text, (int32_t)strlen(text), 0, out, cap); }
+/* Tokenize with the model's special tokens (BOS), as a prompt's start. */
+static inline int sym_tokenize_prompt(const char *text, int32_t *out, int cap) { return __sym_tokenize(text, (int32_t)strlen(text), 1, out, cap); }
+static inline int sym_detokenize(const int32_t *ids, int n, char *out, int cap) { return __sym_detokenize(ids, n, out, cap); }
+
+/* KV files */
+static inline sym_kv sym_kv_create(void) { return __sym_kv_create(); }
+static inline sym_kv sym_kv_open(const char *path, int flags) { return __sym_kv_open(path, (int32_t)strlen(path), flags); }
+static inline sym_kv sym_kv_fork(sym_kv kv) { return __sym_kv_fork(kv); }
+static inline sym_kv sym_kv_extract(sym_kv kv, int start, int end) { return __sym_kv_extract(kv, start, end); }
+static inline sym_kv sym_kv_merge(sym_kv first, sym_kv second) { return __sym_kv_merge(first, second); }
+static inline int sym_kv_len(sym_kv kv) { return __sym_kv_len(kv); }
+static inline int sym_kv_truncate(sym_kv kv, int len) { return __sym_kv_truncate(kv, len); }
+static inline int sym_kv_close(sym_kv kv) { return __sym_kv_close(kv); }
+static inline int sym_kv_remove(const char *path) { return __sym_kv_remove(path, (int32_t)strlen(path)); }
+static inline int sym_kv_hint(sym_kv kv, int flags, int keep_for_ms, int priority) { return __sym_kv_hint(kv, flags, keep_for_ms, priority); }
+
+/* Prediction, in flight: submit several, then wait for each; they share a batch.
+   `pos` may be NULL to continue the file's positions. */
+static inline sym_ticket sym_pred_submit(sym_kv kv, const int32_t *ids, const int32_t *pos, int n) {
+    return __sym_pred_submit(kv, ids, pos, n, SYM_PRED_DIST, 0);
+}
+static inline sym_ticket sym_pred_submit_sample(sym_kv kv, const int32_t *ids, const int32_t *pos, int n, const sym_sampling *s) {
+    return __sym_pred_submit(kv, ids, pos, n, SYM_PRED_SAMPLE, (int32_t)(intptr_t)s);
+}
+static inline sym_ticket sym_pred_submit_topk(sym_kv kv, const int32_t *ids, const int32_t *pos, int n, int k) {
+    return __sym_pred_submit(kv, ids, pos, n, SYM_PRED_TOPK, k);
+}
+/* Distribution tickets: writes vocab_size floats into dist; returns vocab_size. */
+static inline int sym_pred_wait(sym_ticket t, float *dist, int cap) { return __sym_pred_wait(t, dist, cap); }
+/* Sample tickets: returns the token. */
+static inline int32_t sym_pred_wait_sample(sym_ticket t) { return __sym_pred_wait(t, NULL, 0); }
+/* Top-k tickets: writes k ids and k log-probabilities; returns k. */
+static inline int sym_pred_wait_topk(sym_ticket t, int32_t *ids, float *logprobs, int k) {
+    int32_t buf[2 * 64];
+    if (k <= 0 || k > 64) return SYM_EINVAL;
+    int got = __sym_pred_wait(t, buf, 2 * k);
+    if (got < 0) return got;
+    memcpy(ids, buf, sizeof(int32_t) * got);
+    memcpy(logprobs, buf + got, sizeof(float) * got);
+    return got;
+}
+
+/* Prediction, blocking: append n tokens to kv and write the next-token distribution over the
+   vocabulary into dist (cap floats); returns the vocabulary size. */
+static inline int sym_pred(sym_kv kv, const int32_t *ids, const int32_t *pos, int n, float *dist, int cap) {
+    sym_ticket t = sym_pred_submit(kv, ids, pos, n);
+    return t < 0 ? t : sym_pred_wait(t, dist, cap);
+}
+/* The same, with the token sampled on the host; greedy when s is NULL. */
+static inline int32_t sym_pred_sample(sym_kv kv, const int32_t *ids, const int32_t *pos, int n, const sym_sampling *s) {
+    sym_ticket t = sym_pred_submit_sample(kv, ids, pos, n, s);
+    return t < 0 ? t : sym_pred_wait_sample(t);
+}
+static inline int sym_pred_topk(sym_kv kv, const int32_t *ids, const int32_t *pos, int n, int k, int32_t *out_ids, float *out_logprobs) {
+    sym_ticket t = sym_pred_submit_topk(kv, ids, pos, n, k);
+    return t < 0 ? t : sym_pred_wait_topk(t, out_ids, out_logprobs, k);
+}
+
+/* I/O with the process's user */
+static inline int sym_send(const char *msg, int len) { return __sym_send(msg, len); }
+static inline int sym_send_str(const char *msg) { return __sym_send(msg, (int32_t)strlen(msg)); }
+/* Blocks for the next message; returns its length, SYM_ETOOSMALL (kept) or SYM_ECLOSED. */
+static inline int sym_recv(char *buf, int cap) { return __sym_recv(buf, cap); }
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* SYMPHONY_H */
