@@ -99,15 +99,45 @@ class TorchAttention:
         return out.transpose(1, 2)[meta.cache["query_valid"]]
 
 
-BACKENDS = {"torch": TorchAttention}
+class TritonAttention:
+    """Symphony's Triton kernels (`kernels/`): paged decode with split-K, paged prefill/extend,
+    and K/V stores, reading pages in place (no gather). Meant for CUDA; on CPU it runs only
+    under TRITON_INTERPRET=1 (tests)."""
+
+    name = "triton"
+
+    def __init__(self):
+        from .kernels import kv_store, paged_attention
+
+        self._store_kv = kv_store.store_kv
+        self._decode = paged_attention.paged_decode_attention
+        self._prefill = paged_attention.paged_prefill_attention
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        pass
+
+    def store(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.sliding_window:
+            raise NotImplementedError("the Triton kernels have no sliding window; use --attention torch")
+        if meta.max_query_len == 1:
+            return self._decode(q, k_cache, v_cache, meta.page_table, meta.context_lens, scale)
+        return self._prefill(q, k_cache, v_cache, meta.page_table, meta.query_start_loc, meta.context_lens, scale)
+
+
+BACKENDS = {"torch": TorchAttention, "triton": TritonAttention}
 
 
 def select_backend(device: torch.device, requested: str | None = None):
     """The attention backend for `device`: `requested` (or $SYMPHONY_ATTENTION) when given,
-    else the best one available."""
+    else Triton on CUDA and the torch reference elsewhere."""
     requested = requested or os.environ.get("SYMPHONY_ATTENTION") or None
     if requested is not None:
         if requested not in BACKENDS:
             raise ValueError(f"unknown attention backend {requested!r}; choose one of {sorted(BACKENDS)}")
         return BACKENDS[requested]()
+    if torch.device(device).type == "cuda":
+        return TritonAttention()
     return TorchAttention()

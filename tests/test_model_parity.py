@@ -108,3 +108,10 @@ def test_loading_errors_are_clear(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(ModelLoadError, match="not supported"):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+def test_triton_attention_backend_matches_transformers(tiny_llama, device):
+    # On CPU the kernels run in Triton's interpreter (slow): a few steps are enough.
+    assert_matches_transformers(tiny_llama, PROMPT, steps=3, device=device, page_size=4, num_pages=64,
+                                attention="triton")
