@@ -6,7 +6,10 @@ MODEL ?= $(firstword $(wildcard ../shared/models/stories260K))
 PROMPT ?= Once upon a time
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install run test bench clean
+LIPS := $(patsubst %.c,%.wasm,$(wildcard lips/*.c))
+ZIGCC := $(PY) -m ziglang cc --target=wasm32-wasi -O2 -s -I guest_sdk/c
+
+.PHONY: install lips run generate test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,15 +21,25 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-run: install
+# Every C example in lips/, built with zig's wasm32-wasi clang (installed by pip as ziglang).
+lips: $(LIPS)
+
+lips/%.wasm: lips/%.c guest_sdk/c/symphony.h | $(VENV)/.installed
+	$(ZIGCC) $< -o $@
+
+run: lips
+	@test -n "$(MODEL)" || { echo "no model: pass MODEL=DIR (a Hugging Face directory)"; exit 2; }
+	$(VENV)/bin/symphony run --model $(MODEL) --stats lips/hello.wasm -- "$(PROMPT)" 60
+
+generate: install
 	@test -n "$(MODEL)" || { echo "no model: pass MODEL=DIR (a Hugging Face directory)"; exit 2; }
 	$(VENV)/bin/symphony generate --model $(MODEL) --prompt "$(PROMPT)" --max-tokens 60
 
-test: install
+test: lips
 	$(PY) -m pytest -q
 
 bench: install
 	$(PY) bench/engine.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info lips/*.wasm

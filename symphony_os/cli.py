@@ -105,5 +105,62 @@ def info(model_path, device, dtype, attention, page_size, kv_pages):
         click.echo(f"{name:<{width}}  {value}")
 
 
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("program", type=click.Path(dir_okay=False))
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@_engine_options
+@click.option("--stats", is_flag=True, help="Print batches, mean batch size, tokens/s and KV pages at the end.")
+@click.option("--verbose", "-v", is_flag=True, help="Copy the program's log (its stdout/stderr) to stderr.")
+@click.option("--env", "env_pairs", multiple=True, metavar="NAME=VALUE", help="Environment variable for the program.")
+def run(program, args, model_path, device, dtype, attention, page_size, kv_pages, stats, verbose, env_pairs):
+    """Run PROGRAM.wasm (a LIP) in-process: what it sends goes to stdout, stdin lines go to its
+    recv, and the exit code is the program's. Arguments after -- go to the program."""
+    import threading
+    import time
+
+    from .program import ProgramError
+    from .runtime import Runtime
+
+    env = {}
+    for pair in env_pairs:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{pair!r} is not NAME=VALUE", param_hint="--env")
+        env[name] = value
+    engine = _make_engine(model_path, device, dtype, attention, page_size, kv_pages)
+    with Runtime(engine) as runtime:
+        try:
+            prog = runtime.load(program)
+        except ProgramError as error:
+            click.echo(f"symphony run: {program}: {error}", err=True)
+            sys.exit(2)
+        out = sys.stdout.buffer
+
+        def on_output(data: bytes) -> None:
+            out.write(data)
+            out.flush()
+
+        started = time.perf_counter()
+        process = runtime.spawn(prog, list(args), env, on_output=on_output,
+                                on_log=(lambda text: sys.stderr.write(text)) if verbose else None)
+
+        def forward_stdin() -> None:
+            for line in sys.stdin:
+                process.deliver(line.rstrip("\n").encode())
+            process.close_input()
+
+        threading.Thread(target=forward_stdin, name="stdin", daemon=True).start()
+        code = runtime.wait(process)
+        elapsed = time.perf_counter() - started
+    if process.end_reason and not process.end_reason.startswith("exit"):
+        click.echo(f"symphony run: {prog.name} {process.end_reason}", err=True)
+    if stats:
+        s, pool = engine.stats(), engine.pool.stats()
+        click.echo(f"batches {s.batches}, mean batch size {s.mean_batch_size:.2f}, tokens {s.tokens} "
+                   f"({s.tokens / elapsed:.1f} tokens/s), queue wait {s.mean_queue_wait_ms:.2f} ms, "
+                   f"KV pages peak {pool.peak_used} of {pool.total}", err=True)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
     main()

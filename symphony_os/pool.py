@@ -24,6 +24,7 @@ class PoolStats:
     shared: int
     free: int
     swapped: int
+    peak_used: int
     page_size: int
     bytes_per_page: int
 
@@ -68,6 +69,7 @@ class KVPool:
         self._free = list(range(num_pages - 1, -1, -1))
         self._shared = 0
         self._swapped = 0
+        self._peak_used = 0
         self.reclaim: Callable[[int], None] | None = None
 
     @property
@@ -88,6 +90,7 @@ class KVPool:
             shared=self._shared,
             free=len(self._free),
             swapped=self._swapped,
+            peak_used=self._peak_used,
             page_size=self.page_size,
             bytes_per_page=self.bytes_per_page,
         )
@@ -109,6 +112,7 @@ class KVPool:
         pages = [self._free.pop() for _ in range(n)]
         for page in pages:
             self.refcount[page] = 1
+        self._peak_used = max(self._peak_used, self.num_pages - len(self._free))
         return pages
 
     def incref(self, pages: list[int]) -> None:

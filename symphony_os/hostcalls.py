@@ -1,0 +1,300 @@
+"""The `symphony` import module: one function per system call of wit/symphony.wit.
+
+Each call turns guest bytes into typed arguments once, here, through `GuestMemory`, calls
+KVFS / the engine / the process's I/O, and returns an i32: the result, or a negative
+`ErrorCode`. A blocking call (`pred_wait`, `recv`) returns a `Block` instead: what to wait for
+and how to produce the result once it is there. Nothing here raises into wasmtime: every
+exception becomes an error code (unexpected ones `INTERNAL`, and are logged).
+"""
+from __future__ import annotations
+
+import logging
+import struct
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from .errors import (BadHandle, BufferTooSmall, ErrorCode, InputClosed, InvalidArgument, LimitExceeded,
+                     SymphonyError)
+from .guest_memory import GuestMemory
+from .sampling import Distribution, Sample, TopK, Want
+
+if TYPE_CHECKING:
+    from .process import Process
+
+log = logging.getLogger("symphony.hostcalls")
+
+KIND_DISTRIBUTION, KIND_TOPK, KIND_SAMPLE = 0, 1, 2
+SAMPLING_RECORD = struct.Struct("<ffiiQiiiii4x")  # sym_sampling: 48 bytes
+MAX_TOKENS_PER_PRED = 1 << 16
+MAX_TEXT_BYTES = 1 << 20
+MAX_BIAS = 1 << 16
+WASI_EBADF, WASI_EFAULT, WASI_EINVAL = 8, 21, 28
+
+
+@dataclass
+class Block:
+    """A blocking call: wait for `future` (None: for the process's inbox), then `finish(memory)`
+    gives the i32 result, writing outputs into guest memory on the process's own thread."""
+
+    state: str
+    future: Future | None
+    finish: Callable[[GuestMemory], int]
+
+
+@dataclass
+class Ticket:
+    future: Future
+    want: Want
+
+
+def _signature_of(func) -> int:
+    return func.__code__.co_argcount - 2  # minus self and memory
+
+
+class HostCalls:
+    """The system calls of one process. `call(name, memory, args)` is the single entry point."""
+
+    def __init__(self, process: "Process"):
+        self.process = process
+        self.engine = process.engine
+        self.kv = process.kv
+        self.tickets: dict[int, Ticket] = {}
+        self._next_ticket = 1
+
+    # The import table: name -> number of i32 parameters (checked against the WIT by a test).
+    @classmethod
+    def table(cls) -> dict[str, int]:
+        return {name: _signature_of(getattr(cls, name)) for name in CALLS}
+
+    def call(self, name: str, memory: GuestMemory, args: list[int]) -> int | Block:
+        try:
+            return getattr(self, name)(memory, *args)
+        except SymphonyError as error:
+            return int(error.code)
+        except Exception:  # a host bug must not become a host crash
+            log.exception("pid %s: host call %s failed", self.process.pid, name)
+            return int(ErrorCode.INTERNAL)
+
+    # ---- model ----
+
+    def vocab_size(self, mem: GuestMemory) -> int:
+        return self.engine.loaded.config.vocab_size
+
+    def eos_ids(self, mem: GuestMemory, out_ptr: int, cap: int) -> int:
+        ids = list(self.engine.loaded.eos_token_ids)
+        if cap < 0:
+            raise InvalidArgument("cap must be >= 0")
+        mem.write_i32s(out_ptr, ids[:cap])
+        return len(ids)
+
+    def bos_id(self, mem: GuestMemory) -> int:
+        bos = self.engine.loaded.bos_token_id
+        return int(ErrorCode.UNSUPPORTED) if bos is None else bos
+
+    def model_name(self, mem: GuestMemory, out_ptr: int, cap: int) -> int:
+        return self._write_text(mem, self.engine.loaded.name.encode(), out_ptr, cap)
+
+    # ---- tokens ----
+
+    def tokenize(self, mem: GuestMemory, text_ptr: int, text_len: int, flags: int, out_ptr: int, cap: int) -> int:
+        if not 0 <= text_len <= MAX_TEXT_BYTES or flags not in (0, 1) or cap < 0:
+            raise InvalidArgument("tokenize: text length, flags or cap out of range")
+        text = mem.read_str(text_ptr, text_len)
+        ids = self.engine.tokenize(text, add_special_tokens=bool(flags & 1))
+        mem.write_i32s(out_ptr, ids[:cap])
+        return len(ids)
+
+    def detokenize(self, mem: GuestMemory, ids_ptr: int, n: int, out_ptr: int, cap: int) -> int:
+        if not 0 <= n <= MAX_TOKENS_PER_PRED or cap < 0:
+            raise InvalidArgument("detokenize: count or cap out of range")
+        ids = mem.read_i32s(ids_ptr, n)
+        vocab = self.engine.loaded.config.vocab_size
+        if any(not 0 <= i < vocab for i in ids):
+            raise InvalidArgument(f"token ids must be in [0, {vocab})")
+        return self._write_text(mem, self.engine.detokenize(ids).encode(), out_ptr, cap)
+
+    @staticmethod
+    def _write_text(mem: GuestMemory, data: bytes, out_ptr: int, cap: int) -> int:
+        if cap < 0:
+            raise InvalidArgument("cap must be >= 0")
+        mem.write(out_ptr, data[:cap])
+        return len(data)
+
+    # ---- KV files ----
+
+    def kv_create(self, mem: GuestMemory) -> int:
+        return self.kv.create()
+
+    def kv_open(self, mem: GuestMemory, path_ptr: int, path_len: int, flags: int) -> int:
+        return self.kv.open(self._path(mem, path_ptr, path_len), flags)
+
+    def kv_fork(self, mem: GuestMemory, kv: int) -> int:
+        return self.kv.fork(kv)
+
+    def kv_extract(self, mem: GuestMemory, kv: int, start: int, end: int) -> int:
+        return self.kv.extract(kv, start, end)
+
+    def kv_merge(self, mem: GuestMemory, first: int, second: int) -> int:
+        return self.kv.merge(first, second)
+
+    def kv_len(self, mem: GuestMemory, kv: int) -> int:
+        return self.kv.len(kv)
+
+    def kv_truncate(self, mem: GuestMemory, kv: int, length: int) -> int:
+        self.kv.truncate(kv, length)
+        return 0
+
+    def kv_close(self, mem: GuestMemory, kv: int) -> int:
+        self.kv.close(kv)
+        return 0
+
+    def kv_remove(self, mem: GuestMemory, path_ptr: int, path_len: int) -> int:
+        self.kv.remove(self._path(mem, path_ptr, path_len))
+        return 0
+
+    def kv_hint(self, mem: GuestMemory, kv: int, flags: int, keep_for_ms: int, priority: int) -> int:
+        if flags & ~3:
+            raise InvalidArgument("kv_hint flags: 1 pinned, 2 drop on close")
+        self.kv.set_hints(kv, pinned=bool(flags & 1), drop_on_close=bool(flags & 2),
+                          keep_for_s=None if keep_for_ms < 0 else keep_for_ms / 1000, priority=priority)
+        return 0
+
+    @staticmethod
+    def _path(mem: GuestMemory, ptr: int, length: int) -> str:
+        if not 0 < length <= 1024:
+            raise InvalidArgument("a KV path is 1 to 255 bytes")
+        return mem.read_str(ptr, length)
+
+    # ---- inference ----
+
+    def pred_submit(self, mem: GuestMemory, kv: int, ids_ptr: int, pos_ptr: int, n: int, kind: int, arg: int) -> int:
+        if not 0 < n <= MAX_TOKENS_PER_PRED:
+            raise InvalidArgument(f"pred takes 1 to {MAX_TOKENS_PER_PRED} tokens, got {n}")
+        limit = self.process.limits.preds_in_flight
+        if len(self.tickets) >= limit:
+            raise LimitExceeded(f"at most {limit} preds in flight per process")
+        tokens = mem.read_i32s(ids_ptr, n)
+        positions = mem.read_i32s(pos_ptr, n) if pos_ptr else None
+        if kind == KIND_DISTRIBUTION:
+            want: Want = Distribution()
+        elif kind == KIND_TOPK:
+            want = TopK(arg)
+        elif kind == KIND_SAMPLE:
+            want = self._read_sampling(mem, arg) if arg else Sample()
+        else:
+            raise InvalidArgument(f"pred kind must be 0 (distribution), 1 (top-k) or 2 (sample), got {kind}")
+        future = self.engine.submit(self.kv, kv, tokens, positions, want)
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        self.tickets[ticket] = Ticket(future, want)
+        return ticket
+
+    @staticmethod
+    def _read_sampling(mem: GuestMemory, ptr: int) -> Sample:
+        (temperature, top_p, top_k, has_seed, seed, allowed_ptr, n_allowed, bias_ids_ptr, bias_values_ptr,
+         n_bias) = SAMPLING_RECORD.unpack(mem.read(ptr, SAMPLING_RECORD.size))
+        if not 0 <= n_allowed <= MAX_TOKENS_PER_PRED or not 0 <= n_bias <= MAX_BIAS:
+            raise InvalidArgument("sampling: n_allowed or n_bias out of range")
+        allowed = tuple(mem.read_i32s(allowed_ptr, n_allowed)) if allowed_ptr else None
+        bias = {}
+        if n_bias:
+            ids = mem.read_i32s(bias_ids_ptr, n_bias)
+            values = struct.unpack(f"<{n_bias}f", mem.read(bias_values_ptr, 4 * n_bias))
+            bias = dict(zip(ids, values))
+        return Sample(temperature=temperature, top_p=top_p, top_k=top_k,
+                      seed=seed if has_seed else None, logit_bias=bias, allowed_tokens=allowed)
+
+    def pred_wait(self, mem: GuestMemory, ticket: int, out_ptr: int, cap: int) -> int | Block:
+        entry = self.tickets.get(ticket)
+        if entry is None:
+            raise BadHandle(f"pred ticket {ticket} is not in flight in this process")
+
+        def finish(mem: GuestMemory) -> int:
+            try:
+                result = entry.future.result()
+            except SymphonyError as error:
+                del self.tickets[ticket]
+                return int(error.code)
+            want = entry.want
+            if isinstance(want, Distribution):
+                vocab = result.probs.numel()
+                if cap < vocab:
+                    return int(ErrorCode.BUFFER_TOO_SMALL)  # the ticket stays: call again
+                mem.write_tensor(out_ptr, result.probs)
+                del self.tickets[ticket]
+                return vocab
+            if isinstance(want, TopK):
+                k = len(result.top_ids)
+                if cap < 2 * k:
+                    return int(ErrorCode.BUFFER_TOO_SMALL)
+                mem.write(out_ptr, struct.pack(f"<{k}i{k}f", *result.top_ids, *result.top_logprobs))
+                del self.tickets[ticket]
+                return k
+            del self.tickets[ticket]
+            return result.token
+
+        if entry.future.done():
+            return finish(mem)
+        return Block("blocked-on-pred", entry.future, lambda mem: self._guarded(finish, mem))
+
+    # ---- I/O ----
+
+    def send(self, mem: GuestMemory, ptr: int, length: int) -> int:
+        if not 0 <= length <= MAX_TEXT_BYTES:
+            raise InvalidArgument(f"send takes at most {MAX_TEXT_BYTES} bytes")
+        self.process.emit_output(mem.read(ptr, length))
+        return 0
+
+    def recv(self, mem: GuestMemory, out_ptr: int, cap: int) -> int | Block:
+        if cap < 0:
+            raise InvalidArgument("cap must be >= 0")
+
+        def finish(mem: GuestMemory) -> int:
+            message = self.process.peek_input()
+            if message is None:
+                raise InputClosed("the user closed the input")
+            if len(message) > cap:
+                raise BufferTooSmall(f"message of {len(message)} bytes")
+            mem.write(out_ptr, message)
+            self.process.pop_input()
+            return len(message)
+
+        if self.process.input_ready():
+            return finish(mem)
+        return Block("blocked-on-recv", None, lambda mem: self._guarded(finish, mem))
+
+    # ---- WASI ----
+
+    def fd_write(self, mem: GuestMemory, fd: int, iovs_ptr: int, iovs_len: int, nwritten_ptr: int) -> int:
+        """WASI preview 1 fd_write, for stdout (1) and stderr (2) only: both go to the process's
+        log. Returns a WASI errno (0 ok, 8 badf, 21 fault, 28 inval). Serving it here keeps
+        guest output on the process's own thread (wasmtime's WASI would write from runtime
+        threads of its own, which called back into Python from foreign threads)."""
+        if fd not in (1, 2):
+            return WASI_EBADF
+        if not 0 <= iovs_len <= 1024:
+            return WASI_EINVAL
+        try:
+            iovecs = mem.read_i32s(iovs_ptr, 2 * iovs_len)
+            data = b"".join(mem.read(iovecs[2 * i] & 0xFFFFFFFF, iovecs[2 * i + 1] & 0xFFFFFFFF)
+                            for i in range(iovs_len))
+            mem.write_i32s(nwritten_ptr, [len(data)])
+        except SymphonyError:
+            return WASI_EFAULT
+        self.process.capture_log(data)
+        return 0
+
+    def _guarded(self, finish: Callable[[GuestMemory], int], mem: GuestMemory) -> int:
+        try:
+            return finish(mem)
+        except SymphonyError as error:
+            return int(error.code)
+        except Exception:
+            log.exception("pid %s: finishing a blocking call failed", self.process.pid)
+            return int(ErrorCode.INTERNAL)
+
+
+CALLS = ("vocab_size", "eos_ids", "bos_id", "model_name", "tokenize", "detokenize", "kv_create", "kv_open",
+         "kv_fork", "kv_extract", "kv_merge", "kv_len", "kv_truncate", "kv_close", "kv_remove", "kv_hint",
+         "pred_submit", "pred_wait", "send", "recv")

@@ -1,0 +1,193 @@
+"""A LIP process: one wasmtime Store and instance, its KV handle table, its I/O, and the fiber
+its guest code runs on. A process is advanced only by the worker thread that owns it."""
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import wasmtime
+
+from .fiber import AsyncLinker, Fiber, HostCall, Pending, set_time_slice
+from .guest_memory import GuestMemory
+from .hostcalls import Block, HostCalls
+from .program import Program
+
+EXIT_TRAPPED = 134  # like a process killed by SIGABRT
+EXIT_KILLED = 137  # like a process killed by SIGKILL
+
+
+class ProcessState(str, enum.Enum):
+    RUNNABLE = "runnable"
+    BLOCKED_ON_PRED = "blocked-on-pred"
+    BLOCKED_ON_RECV = "blocked-on-recv"
+    EXITED = "exited"
+    KILLED = "killed"
+
+
+@dataclass(frozen=True)
+class ProcessLimits:
+    """Per-process limits (more come with the sandbox work)."""
+
+    memory_bytes: int = 256 * 2**20
+    preds_in_flight: int = 256
+    kv_handles: int = 4096
+    time_slice_ticks: int = 1  # epoch ticks a guest may compute before it yields
+
+
+_pids = itertools.count(1)
+
+
+class Process:
+    """Create with `Runtime.spawn`. `on_output(bytes)` receives what the LIP sends; `on_log(str)`
+    its stdout/stderr; `on_exit(process)` runs once when it ends (on its worker's thread)."""
+
+    def __init__(self, program: Program, args: list[str], env: dict[str, str], engine, kv_session,
+                 linker: AsyncLinker, limits: ProcessLimits,
+                 on_output: Callable[[bytes], None] | None = None,
+                 on_log: Callable[[str], None] | None = None,
+                 on_exit: Callable[["Process"], None] | None = None):
+        self.pid = next(_pids)
+        self.program = program
+        self.args = list(args)
+        self.engine = engine
+        self.kv = kv_session
+        self.limits = limits
+        self.state = ProcessState.RUNNABLE
+        self.exit_code: int | None = None
+        self.end_reason: str | None = None
+        self.log: list[str] = []
+        self._on_output = on_output
+        self._on_log = on_log
+        self._on_exit = on_exit
+        self._inbox: deque[bytes] = deque()
+        self._input_closed = False
+        self._kill_reason: str | None = None
+        self.ended = threading.Event()
+        self.hostcalls = HostCalls(self)
+        self.store = wasmtime.Store(linker.engine)
+        wasi = wasmtime.WasiConfig()
+        wasi.argv = [program.name, *self.args]
+        wasi.env = list(env.items())
+        # stdout/stderr reach the log through our own fd_write (hostcalls.HostCalls.fd_write).
+        self.store.set_wasi(wasi)
+        self.store.set_limits(memory_size=limits.memory_bytes)
+        set_time_slice(self.store, limits.time_slice_ticks)
+        self._fiber: Fiber | None = linker.start_instantiate(self.store, program.module, owner=self)
+        self._instantiating = True
+        self._blocked: tuple[Block, Pending, HostCall] | None = None
+        self.wake: Callable[["Process"], None] = lambda process: None  # set by the worker
+
+    # ---- I/O, callable from any thread ----
+
+    def emit_output(self, data: bytes) -> None:
+        if self._on_output is not None:
+            self._on_output(data)
+
+    def capture_log(self, data: bytes) -> None:
+        text = data.decode("utf-8", "replace")
+        self.log.append(text)
+        if self._on_log is not None:
+            self._on_log(text)
+
+    def deliver(self, message: bytes) -> None:
+        """A message from the user, for the LIP's next `recv`."""
+        self._inbox.append(bytes(message))
+        self._wake_if(ProcessState.BLOCKED_ON_RECV)
+
+    def close_input(self) -> None:
+        """No more messages: a pending or later `recv` returns `closed`."""
+        self._input_closed = True
+        self._wake_if(ProcessState.BLOCKED_ON_RECV)
+
+    def kill(self, reason: str = "killed") -> None:
+        """End the process at its next scheduling point (even inside a blocking call)."""
+        if self._kill_reason is None:
+            self._kill_reason = reason
+        self.wake(self)
+
+    def _wake_if(self, state: ProcessState) -> None:
+        if self.state == state:
+            self.wake(self)
+
+    def input_ready(self) -> bool:
+        return bool(self._inbox) or self._input_closed
+
+    def peek_input(self) -> bytes | None:
+        return self._inbox[0] if self._inbox else None
+
+    def pop_input(self) -> None:
+        self._inbox.popleft()
+
+    # ---- used by the host calls while the guest runs ----
+
+    def block_on(self, block: Block, call: HostCall) -> Pending:
+        """Suspend the guest until `block` can finish; the worker completes it later."""
+        pending = Pending()
+        self._blocked = (block, pending, call)
+        self.state = ProcessState(block.state)
+        if block.future is not None:
+            block.future.add_done_callback(lambda _future: self.wake(self))
+        elif self.input_ready():
+            self.wake(self)
+        return pending
+
+    # ---- driven by the owning worker ----
+
+    @property
+    def finished(self) -> bool:
+        return self.state in (ProcessState.EXITED, ProcessState.KILLED)
+
+    def ready_to_resume(self) -> bool:
+        """May `advance` make progress now? (A wake-up may be early or repeated.)"""
+        if self.finished:
+            return False
+        if self._kill_reason is not None or self._blocked is None:
+            return True
+        block = self._blocked[0]
+        return block.future.done() if block.future is not None else self.input_ready()
+
+    def advance(self) -> bool:
+        """Run the guest until it blocks, yields or ends. Returns True while it is runnable
+        (it yielded its time slice), False when it waits or has ended."""
+        if self.finished:
+            return False
+        if self._kill_reason is not None:
+            self._end(ProcessState.KILLED, EXIT_KILLED, self._kill_reason)
+            return False
+        if self._blocked is not None:
+            block, pending, call = self._blocked
+            if not (block.future.done() if block.future is not None else self.input_ready()):
+                return False
+            self._blocked = None
+            pending.complete([block.finish(GuestMemory(call.memory_location))])
+            self.state = ProcessState.RUNNABLE
+        fiber = self._fiber
+        if not fiber.poll():
+            return self._blocked is None
+        if fiber.exit_code is not None:
+            self._end(ProcessState.EXITED, fiber.exit_code, f"exit {fiber.exit_code}")
+        elif fiber.trap is not None:
+            self._end(ProcessState.KILLED, EXIT_TRAPPED, f"trapped: {fiber.trap}")
+        elif self._instantiating:
+            self._instantiating = False
+            start = fiber.result[0].exports(self.store)["_start"]
+            self._fiber = Fiber(self.store, start, owner=self)
+            return True
+        else:
+            self._end(ProcessState.EXITED, 0, "exit 0")
+        return False
+
+    def _end(self, state: ProcessState, code: int, reason: str) -> None:
+        if self._fiber is not None:
+            self._fiber.close()
+        self._blocked = None
+        self.kv.close_all()
+        self.hostcalls.tickets.clear()
+        self.state, self.exit_code, self.end_reason = state, code, reason
+        self.ended.set()
+        if self._on_exit is not None:
+            self._on_exit(self)

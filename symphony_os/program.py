@@ -1,0 +1,88 @@
+"""Programs: a LIP's WebAssembly module, validated and compiled once, ready to launch.
+
+A program is a WASI preview-1 command: it exports `_start` and `memory`, and imports only
+from `symphony` (the calls of wit/symphony.wit, each with its exact signature) and
+`wasi_snapshot_preview1`. Anything else is refused here, with one line saying what is wrong,
+before any process runs.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import wasmtime
+
+from .hostcalls import HostCalls
+
+WASM_MAGIC = b"\x00asm"
+CORE_VERSION = b"\x01\x00\x00\x00"
+MAX_MODULE_BYTES = 64 * 2**20
+WASI_MODULE = "wasi_snapshot_preview1"
+
+
+class ProgramError(Exception):
+    """The bytes are not a program Symphony can run; the message says why, in one line."""
+
+
+@dataclass(frozen=True)
+class Program:
+    name: str
+    sha256: str
+    size: int
+    module: wasmtime.Module
+
+
+def _check_header(data: bytes) -> None:
+    if len(data) < 8 or data[:4] != WASM_MAGIC:
+        raise ProgramError("not a WebAssembly module (no \\0asm magic number)")
+    if data[4:8] != CORE_VERSION:
+        raise ProgramError(f"unsupported WebAssembly binary version {data[4:8].hex()} "
+                           "(a component? only core modules are supported here)")
+
+
+def _check_interface(module: wasmtime.Module) -> None:
+    table = HostCalls.table()
+    for imp in module.imports:
+        where = f"{imp.module}.{imp.name}"
+        if imp.module == WASI_MODULE:
+            continue
+        if imp.module != "symphony":
+            raise ProgramError(f"unknown import {where}: only 'symphony' and '{WASI_MODULE}' are provided")
+        if imp.name not in table:
+            raise ProgramError(f"unknown import {where}: no such system call (see wit/symphony.wit)")
+        kind = imp.type
+        expected = [str(wasmtime.ValType.i32())] * table[imp.name]
+        if (not isinstance(kind, wasmtime.FuncType) or [str(t) for t in kind.params] != expected
+                or [str(t) for t in kind.results] != [str(wasmtime.ValType.i32())]):
+            raise ProgramError(f"import {where} has the wrong signature: expected "
+                               f"({', '.join(['i32'] * table[imp.name])}) -> i32")
+    exports = {exp.name: exp.type for exp in module.exports}
+    if not isinstance(exports.get("_start"), wasmtime.FuncType):
+        raise ProgramError("the module exports no _start function (build it as a WASI command)")
+    if not isinstance(exports.get("memory"), wasmtime.MemoryType):
+        raise ProgramError("the module exports no memory")
+
+
+def load_program(engine: wasmtime.Engine, data: bytes, name: str = "program") -> Program:
+    """Validate and compile untrusted bytes."""
+    if len(data) > MAX_MODULE_BYTES:
+        raise ProgramError(f"module is {len(data)} bytes; the limit is {MAX_MODULE_BYTES}")
+    _check_header(data)
+    try:
+        wasmtime.Module.validate(engine, data)
+        module = wasmtime.Module(engine, data)
+    except wasmtime.WasmtimeError as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else "invalid module"
+        raise ProgramError(f"invalid WebAssembly: {first_line}") from None
+    _check_interface(module)
+    return Program(name=name, sha256=hashlib.sha256(data).hexdigest(), size=len(data), module=module)
+
+
+def load_program_file(engine: wasmtime.Engine, path: str | Path) -> Program:
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise ProgramError(f"cannot read {path}: {error.strerror}") from None
+    return load_program(engine, data, name=path.stem)
