@@ -192,8 +192,8 @@ class Runtime:
 
     def load(self, source: str | Path | bytes, name: str = "program") -> Program:
         """Validate and compile a program from a path or bytes (raises ProgramError)."""
-        if isinstance(source, bytes):
-            return load_program(self.wasm_engine, source, name)
+        if isinstance(source, (bytes, bytearray)):
+            return load_program(self.wasm_engine, bytes(source), name)
         return load_program_file(self.wasm_engine, source)
 
     def spawn(self, program: Program, args: list[str] = (), env: dict[str, str] | None = None,

@@ -1,0 +1,538 @@
+"""Guest calls as native wasmtime fibers, many of them polled from one Python thread.
+
+wasmtime runs each async call on its own fiber stack. When the guest calls a host function
+that cannot answer yet, the handler returns `Pending`; wasmtime suspends that guest and
+`Fiber.poll()` returns False, so a scheduler can go on to poll other guests. Once some other
+code calls `pending.complete(values)`, the next poll resumes the guest with those values. With
+`set_time_slice` a guest that computes for a whole epoch slice also yields, so one busy guest
+cannot starve the others on its thread.
+
+This is the only module that touches wasmtime's async C API; wasmtime-py 50 reaches it only
+through its ctypes layer (`wasmtime._ffi`). The C API's rules, and what breaking them did:
+- Everything a future was created from (store, Func, argument and result arrays, trap and
+  error slots, linker, module) must stay alive and unchanged until the future is deleted:
+  freeing a Func mid-call aborted the process with a Rust panic. `Fiber` holds them.
+- A store may have only one call future alive at a time, and a store must be used by one
+  thread at a time. `Fiber` refuses a second call on a busy store.
+- An exception must never escape a ctypes callback into wasmtime (an async callback that
+  returns without a continuation panics the process). Every callback here catches everything
+  and turns it into a guest trap. wasmtime-py's own callbacks park exceptions in one global
+  slot shared by all threads, so none of them is used here.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+import weakref
+from typing import Callable, Sequence, Union
+
+import wasmtime
+from wasmtime import _ffi as ffi
+
+Value = Union[int, float]
+
+# wasmtime_val_t kinds and the union field that holds each of them.
+_FIELD_OF_KIND = {0: "i32", 1: "i64", 2: "f32", 3: "f64"}
+_KIND_OF_TYPE = {str(wasmtime.ValType.i32()): 0, str(wasmtime.ValType.i64()): 1,
+                 str(wasmtime.ValType.f32()): 2, str(wasmtime.ValType.f64()): 3}
+
+# Room on each fiber stack for the host (ctypes, the interpreter, handlers) beyond what wasm
+# may use: the fiber stacks are reserved lazily, so this costs address space, not memory.
+HOST_STACK_BYTES = 4 << 20
+
+# wasmtime-py 50 declares this function as returning an error pointer, but the C function
+# returns void (its return register holds garbage): reading that "error" segfaulted. So it
+# gets its own prototype, taken with dll[...] so wasmtime-py's shared one is left alone.
+_epoch_deadline_async_yield_and_update = ffi.dll["wasmtime_context_epoch_deadline_async_yield_and_update"]
+_epoch_deadline_async_yield_and_update.restype = None
+_epoch_deadline_async_yield_and_update.argtypes = [ctypes.POINTER(ffi.wasmtime_context_t), ctypes.c_uint64]
+
+_MEMORY_EXPORT = b"memory"
+_future_poll = ffi.dll.wasmtime_call_future_poll  # wasmtime-py's prototype, minus a Python wrapper
+
+
+def make_async_engine(epoch_interruption: bool = True, max_wasm_stack_bytes: int = 1 << 20,
+                      consume_fuel: bool = False) -> wasmtime.Engine:
+    """An engine whose guests run as fibers. With `epoch_interruption`, every store needs
+    `set_time_slice` (otherwise its guests stop at once with an interrupt trap). With
+    `consume_fuel`, give each store fuel (`Store.set_fuel`); a guest out of fuel traps.
+    wasmtime 50 has no async on/off switch: a store is async because its calls are."""
+    config = wasmtime.Config()
+    config.epoch_interruption = epoch_interruption
+    config.consume_fuel = consume_fuel
+    config.max_wasm_stack = max_wasm_stack_bytes
+    ffi.wasmtime_config_async_stack_size_set(config.ptr(), max_wasm_stack_bytes + HOST_STACK_BYTES)
+    return wasmtime.Engine(config)
+
+
+def set_time_slice(store: wasmtime.Store, epoch_ticks: int) -> None:
+    """Make guests in `store` yield to `Fiber.poll()` (which then returns False) after running
+    for `epoch_ticks` increments of the engine's epoch, instead of trapping."""
+    store.set_epoch_deadline(epoch_ticks)
+    _epoch_deadline_async_yield_and_update(store._context(), epoch_ticks)
+
+
+class EpochTicker:
+    """A daemon thread that increments `engine`'s epoch every `interval_s` seconds: the clock
+    behind `set_time_slice`. Use as a context manager, or call `start()` and `stop()`."""
+
+    def __init__(self, engine: wasmtime.Engine, interval_s: float = 0.01):
+        self.engine = engine
+        self.interval_s = interval_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="epoch-ticker", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval_s):
+            self.engine.increment_epoch()
+
+    def start(self) -> "EpochTicker":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+    def __enter__(self) -> "EpochTicker":
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+class Ready:
+    """A handler's answer that is available now: one value per declared result."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: Sequence[Value] = ()):
+        self.values = values
+
+
+class Pending:
+    """A handler's answer that arrives later. Some other code calls `complete(values)`, or
+    `fail(message)` to trap the guest with `message`; the guest resumes at its fiber's next
+    poll. Both may be called from any thread. `abandoned` turns True if the guest's call was
+    dropped (its fiber closed) before an answer came, so the work can be skipped."""
+
+    __slots__ = ("values", "failure", "done", "abandoned")
+
+    def __init__(self):
+        self.values: Sequence[Value] = ()
+        self.failure: str | None = None
+        self.abandoned = False
+        self.done = False
+
+    def complete(self, values: Sequence[Value] = ()) -> None:
+        self.values = values
+        self.done = True  # last: the poller reads `done` first
+
+    def fail(self, message: str) -> None:
+        self.failure = message
+        self.done = True
+
+
+HostResult = Union[Ready, Pending]
+Handler = Callable[["HostCall", list], HostResult]
+
+
+class HostCall:
+    """What a handler knows about the call it serves: the `fiber` being polled (whose `owner`
+    says which guest this is) and the caller's exported memory. It is valid until the call
+    completes; touch guest memory only from the thread that polls the fiber."""
+
+    __slots__ = ("_fiber", "_caller", "_context", "_memory")
+
+    def __init__(self, caller, fiber: Fiber | None):
+        # Weak: a waiting call must not keep a fiber that its host has dropped alive (that
+        # fiber's deletion is what ends the wait).
+        self._fiber = weakref.ref(fiber) if fiber is not None else None
+        self._caller = caller
+        self._context = None
+        self._memory = None
+
+    @property
+    def fiber(self) -> Fiber | None:
+        return self._fiber() if self._fiber is not None else None
+
+    def memory_location(self) -> tuple[int, int]:
+        """(base address, size in bytes) of the caller's memory export "memory", as it is now.
+        Re-read it after anything that may grow memory. Fits `GuestMemory(locate=...)`."""
+        if self._caller is None:
+            raise RuntimeError("this host call has already completed")
+        if self._memory is None:
+            item = ffi.wasmtime_extern_t()
+            found = ffi.wasmtime_caller_export_get(self._caller, _MEMORY_EXPORT, len(_MEMORY_EXPORT),
+                                                   ctypes.byref(item))
+            if not found or item.kind != ffi.WASMTIME_EXTERN_MEMORY.value:
+                raise LookupError("the guest exports no memory named 'memory'")
+            self._context = ffi.wasmtime_caller_context(self._caller)
+            self._memory = item.of.memory
+        base = ffi.wasmtime_memory_data(self._context, ctypes.byref(self._memory))
+        size = ffi.wasmtime_memory_data_size(self._context, ctypes.byref(self._memory))
+        return ctypes.cast(base, ctypes.c_void_p).value or 0, size
+
+
+class _HostFunction:
+    __slots__ = ("qualified_name", "param_kinds", "result_kinds", "handler")
+
+    def __init__(self, qualified_name: str, param_kinds: tuple[int, ...],
+                 result_kinds: tuple[int, ...], handler: Callable):
+        self.qualified_name = qualified_name
+        self.param_kinds = param_kinds
+        self.result_kinds = result_kinds
+        self.handler = handler
+
+
+class _Waiting:
+    """A suspended host call: where its results or trap go once its Pending is done. The
+    result and trap slots belong to wasmtime and stay valid until the continuation finishes."""
+
+    __slots__ = ("pending", "call", "function", "results", "trap_slot")
+
+    def __init__(self, pending: Pending, call: HostCall, function: _HostFunction, results, trap_slot):
+        self.pending = pending
+        self.call = call
+        self.function = function
+        self.results = results
+        self.trap_slot = trap_slot
+
+
+# Callback data crosses C as integer keys into these maps (never Python object pointers);
+# each entry leaves in the finalizer wasmtime calls when it drops the function or continuation.
+# Single dict operations are atomic under the GIL, so threads may share them without a lock.
+_FUNCTIONS: dict[int, _HostFunction] = {}
+_WAITING: dict[int, _Waiting] = {}
+_next_key = itertools.count(1)
+_STORES_IN_CALL: set[int] = set()
+
+
+def _all_open(objects: Sequence[object]) -> bool:
+    """False if any wasmtime-py object among `objects` has already been closed (freed)."""
+    for item in objects:
+        if isinstance(item, wasmtime.Managed):
+            try:
+                item.ptr()
+            except ValueError:
+                return False
+    return True
+
+
+class _PerThread(threading.local):
+    fiber: "Fiber | None" = None
+
+
+_polling = _PerThread()  # the fiber this thread is polling: host callbacks run inside its poll
+
+
+def _kinds(types: Sequence[wasmtime.ValType]) -> tuple[int, ...]:
+    try:
+        return tuple(_KIND_OF_TYPE[str(t)] for t in types)
+    except KeyError as error:
+        raise TypeError(f"only i32, i64, f32 and f64 cross this boundary, not {error}") from None
+
+
+def _read_values(raw, kinds: tuple[int, ...]) -> list[Value]:
+    return [getattr(raw[i].of, _FIELD_OF_KIND[kind]) for i, kind in enumerate(kinds)]
+
+
+def _write_values(raw, kinds: tuple[int, ...], values: Sequence[Value], what: str) -> None:
+    if len(values) != len(kinds):
+        raise ValueError(f"{what} takes {len(kinds)} values, got {len(values)}")
+    for i, (kind, value) in enumerate(zip(kinds, values)):
+        raw[i].kind = kind
+        setattr(raw[i].of, _FIELD_OF_KIND[kind], value)
+
+
+def _new_trap(message: str):
+    data = message.encode("utf-8", "replace")
+    return ffi.wasmtime_trap_new(data, len(data))
+
+
+def _trap_for(function: _HostFunction | None, error: BaseException):
+    """A guest trap describing `error`, which is also kept on the polled fiber for the host's
+    logs. A KeyboardInterrupt or SystemExit is re-raised by `Fiber.poll()` after wasmtime
+    returns, so it still reaches the host."""
+    fiber = _polling.fiber
+    if fiber is not None:
+        fiber.error = error
+        if not isinstance(error, Exception):
+            fiber._deferred = error
+    name = function.qualified_name if function is not None else "a host function"
+    try:
+        detail = f"{type(error).__name__}: {error}"
+    except BaseException:  # a broken __str__ must not escape either
+        detail = type(error).__name__
+    return _new_trap(f"{name} failed: {detail}")
+
+
+@ffi.wasmtime_func_callback_t
+def _call_sync(key, caller, args, nargs, results, nresults):
+    """Runs a `define_func` handler; returns 0, or a trap pointer. Never raises."""
+    function, call = _FUNCTIONS.get(key), None
+    try:
+        call = HostCall(caller, _polling.fiber)
+        values = function.handler(call, _read_values(args, function.param_kinds))
+        _write_values(results, function.result_kinds, values, function.qualified_name)
+        return 0
+    except BaseException as error:
+        return ctypes.cast(_trap_for(function, error), ctypes.c_void_p).value
+    finally:
+        if call is not None:
+            call._caller = None
+
+
+@ffi.wasmtime_func_async_continuation_callback_t
+def _continue_ready(env) -> bool:
+    """The continuation of a call answered at once: results or trap are already written."""
+    return True
+
+
+@ffi.wasmtime_func_async_callback_t
+def _call_async(key, caller, args, nargs, results, nresults, trap_slot, continuation):
+    """Runs a `define_async` handler and hands wasmtime a continuation: done now (results or
+    trap already written) or a wait on a Pending. Never raises."""
+    # First, so that no failure below can leave wasmtime without a continuation (it panics).
+    slot = continuation.contents
+    slot.callback = _continue_ready
+    function, call = _FUNCTIONS.get(key), None
+    try:
+        call = HostCall(caller, _polling.fiber)
+        outcome = function.handler(call, _read_values(args, function.param_kinds))
+        if isinstance(outcome, Pending):
+            waiting_key = next(_next_key)
+            _WAITING[waiting_key] = _Waiting(outcome, call, function, results, trap_slot)
+            slot.env = waiting_key
+            slot.finalizer = _forget_waiting
+            slot.callback = _continue_waiting
+            call = None  # stays valid while the guest waits
+        elif isinstance(outcome, Ready):
+            _write_values(results, function.result_kinds, outcome.values, function.qualified_name)
+        else:
+            raise TypeError(f"handler returned {type(outcome).__name__}, not Ready or Pending")
+    except BaseException as error:
+        trap_slot[0] = _trap_for(function, error)
+    finally:
+        if call is not None:
+            call._caller = None
+
+
+@ffi.wasmtime_func_async_continuation_callback_t
+def _continue_waiting(waiting_key) -> bool:
+    """Polled by wasmtime each time the waiting guest's fiber is polled: True once its
+    Pending is done, after writing the results (or the trap) where wasmtime expects them."""
+    waiting = _WAITING[waiting_key]
+    try:
+        pending = waiting.pending
+        if not pending.done:
+            return False
+        if pending.failure is not None:
+            waiting.trap_slot[0] = _new_trap(pending.failure)
+        else:
+            _write_values(waiting.results, waiting.function.result_kinds, pending.values,
+                          waiting.function.qualified_name)
+    except BaseException as error:
+        waiting.trap_slot[0] = _trap_for(waiting.function, error)
+    waiting.call._caller = None
+    return True
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+def _forget_waiting(waiting_key) -> None:
+    """wasmtime dropped the continuation: the call finished, or its fiber was closed."""
+    waiting = _WAITING.pop(waiting_key, None)
+    if waiting is not None:
+        waiting.call._caller = None
+        waiting.pending.abandoned = not waiting.pending.done
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+def _forget_function(key) -> None:
+    """wasmtime dropped the last linker or store that held this host function."""
+    _FUNCTIONS.pop(key, None)
+
+
+class AsyncLinker:
+    """The host functions guests import, and async instantiation into a store. One linker can
+    serve many stores, on many threads."""
+
+    def __init__(self, engine: wasmtime.Engine):
+        self.engine = engine
+        self.linker = wasmtime.Linker(engine)
+
+    def define_wasi(self) -> None:
+        """Provide WASI preview 1 (configure each store with `Store.set_wasi`)."""
+        self.linker.define_wasi()
+
+    def define_async(self, module: str, name: str, params: Sequence[wasmtime.ValType],
+                     results: Sequence[wasmtime.ValType], handler: Handler) -> None:
+        """Provide `module.name`, which may block: `handler(call, args)` returns `Ready(values)`
+        or a `Pending` that the guest waits on. If it raises, the guest traps."""
+        self._define(ffi.wasmtime_linker_define_async_func, _call_async, module, name, params,
+                     results, handler)
+
+    def define_func(self, module: str, name: str, params: Sequence[wasmtime.ValType],
+                    results: Sequence[wasmtime.ValType],
+                    handler: Callable[[HostCall, list], Sequence[Value]]) -> None:
+        """Provide `module.name`, which never blocks: `handler(call, args)` returns the result
+        values. Cheaper than `define_async` (one callback into Python instead of two). If it
+        raises, the guest traps."""
+        self._define(ffi.wasmtime_linker_define_func, _call_sync, module, name, params, results,
+                     handler)
+
+    def _define(self, define, trampoline, module: str, name: str, params, results, handler) -> None:
+        key = next(_next_key)
+        _FUNCTIONS[key] = _HostFunction(f"{module}.{name}", _kinds(params), _kinds(results), handler)
+        module_bytes, name_bytes = module.encode(), name.encode()
+        func_type = wasmtime.FuncType(list(params), list(results))  # a name keeps it alive for the call
+        error = define(self.linker.ptr(), ctypes.create_string_buffer(module_bytes), len(module_bytes),
+                       ctypes.create_string_buffer(name_bytes), len(name_bytes), func_type.ptr(),
+                       trampoline, key, _forget_function)
+        if error:
+            _FUNCTIONS.pop(key, None)
+            raise wasmtime.WasmtimeError._from_ptr(error)
+
+    def start_instantiate(self, store: wasmtime.Store, module: wasmtime.Module,
+                          owner: object = None) -> "Fiber":
+        """Instantiation as a fiber (its start function may block); `result` is [Instance]."""
+        return Fiber._instantiation(self, store, module, owner)
+
+    def instantiate(self, store: wasmtime.Store, module: wasmtime.Module,
+                    owner: object = None) -> wasmtime.Instance:
+        """Instantiate `module` in `store`, polling until done (a start function that waits
+        on a Pending keeps this spinning: use `start_instantiate` for those). Raises
+        WasmtimeError on a missing import or a trap."""
+        fiber = self.start_instantiate(store, module, owner)
+        while not fiber.poll():
+            pass
+        if fiber.result is None or fiber.exit_code is not None:
+            raise wasmtime.WasmtimeError(f"instantiation failed: {fiber.trap or f'exit {fiber.exit_code}'}")
+        return fiber.result[0]
+
+
+class Fiber:
+    """A guest call in progress on its own wasmtime fiber stack.
+
+    `poll()` runs the guest until it finishes, waits on a Pending, or its time slice ends;
+    it returns True once finished. Then exactly one of these is set: `result` (the list of
+    return values), `trap` (the message: a wasm trap, an epoch interrupt, running out of fuel,
+    a failed Pending, a handler's exception) or `exit_code` (WASI proc_exit; `result` is then
+    []). `trap_code` names wasm traps (e.g. TrapCode.OUT_OF_FUEL); `error` keeps a handler's
+    exception. `owner` is any object the host attaches (handlers see it as `call.fiber.owner`).
+
+    The store must outlive the fiber, be polled from one thread at a time, and run one fiber
+    at a time. `close()` (also done on finishing) frees wasmtime's future.
+    """
+
+    def __init__(self, store: wasmtime.Store, func: wasmtime.Func, args: Sequence[Value] = (),
+                 owner: object = None):
+        func_type = func.type(store)
+        param_kinds, result_kinds = _kinds(func_type.params), _kinds(func_type.results)
+        params = (ffi.wasmtime_val_t * len(param_kinds))()
+        _write_values(params, param_kinds, args, "this guest function")
+        results = (ffi.wasmtime_val_t * len(result_kinds))()
+
+        def start(trap_slot, error_slot):
+            return ffi.wasmtime_func_call_async(store._context(), ctypes.byref(func._func), params,
+                                                len(param_kinds), results, len(result_kinds),
+                                                trap_slot, error_slot)
+
+        self._start(store, owner, start, lambda: _read_values(results, result_kinds),
+                    keep=(func, params, results))
+
+    @classmethod
+    def _instantiation(cls, linker: AsyncLinker, store: wasmtime.Store, module: wasmtime.Module,
+                       owner: object) -> "Fiber":
+        fiber = cls.__new__(cls)
+        instance = ffi.wasmtime_instance_t()
+
+        def start(trap_slot, error_slot):
+            return ffi.wasmtime_linker_instantiate_async(linker.linker.ptr(), store._context(),
+                                                         module.ptr(), ctypes.byref(instance),
+                                                         trap_slot, error_slot)
+
+        fiber._start(store, owner, start, lambda: [wasmtime.Instance._from_raw(instance)],
+                     keep=(linker.linker, module, instance))
+        return fiber
+
+    def _start(self, store: wasmtime.Store, owner: object, start, collect, keep: tuple) -> None:
+        if not isinstance(store, wasmtime.Store):
+            raise TypeError(f"expected a wasmtime.Store, got {type(store).__name__}")
+        if id(store) in _STORES_IN_CALL:
+            raise RuntimeError("this store already runs a fiber; a store runs one call at a time")
+        self.owner = owner
+        self.result: list | None = None
+        self.trap: str | None = None
+        self.trap_code: wasmtime.TrapCode | None = None
+        self.exit_code: int | None = None
+        self.error: BaseException | None = None
+        self._deferred: BaseException | None = None
+        self._store = store
+        self._collect = collect
+        self._keep = keep  # what the future points into; see the module docstring
+        self._trap_slot = ctypes.POINTER(ffi.wasm_trap_t)()
+        self._error_slot = ctypes.POINTER(ffi.wasmtime_error_t)()
+        self._future = start(ctypes.byref(self._trap_slot), ctypes.byref(self._error_slot))
+        _STORES_IN_CALL.add(id(store))
+
+    @property
+    def done(self) -> bool:
+        return self._future is None
+
+    def poll(self) -> bool:
+        """Run the guest until it finishes (True), or waits or yields (False)."""
+        if self._future is None:
+            return True
+        outer, _polling.fiber = _polling.fiber, self
+        try:
+            finished = _future_poll(self._future)
+        finally:
+            _polling.fiber = outer
+        if finished:
+            self._finish()
+        if self._deferred is not None:
+            deferred, self._deferred = self._deferred, None
+            raise deferred
+        return finished
+
+    def _finish(self) -> None:
+        if self._trap_slot:
+            trap = wasmtime.Trap._from_ptr(self._trap_slot)
+            self.trap, self.trap_code = trap.message, trap.trap_code
+            trap.close()
+        elif self._error_slot:
+            error = wasmtime.WasmtimeError._from_ptr(self._error_slot)
+            if isinstance(error, wasmtime.ExitTrap):
+                self.exit_code, self.result = error.code, []
+            else:
+                self.trap = str(error)
+            error.close()
+        else:
+            self.result = self._collect()
+        self.close()
+
+    def close(self) -> None:
+        """Free the call. A guest still waiting in a host call is unwound (its Pending becomes
+        `abandoned`) and the fiber reports the trap "closed before it finished"."""
+        future, self._future = self._future, None
+        if future is None:
+            return
+        # Garbage cycles are finalized in any order (every module's globals at exit): if
+        # wasmtime-py already freed something the future points into, deleting the future
+        # would touch freed memory, so it is left alone.
+        if _all_open((self._store, *self._keep)):
+            outer, _polling.fiber = _polling.fiber, self
+            try:
+                ffi.wasmtime_call_future_delete(future)
+            finally:
+                _polling.fiber = outer
+        _STORES_IN_CALL.discard(id(self._store))
+        self._keep = self._collect = None
+        if self.result is None and self.trap is None:
+            self.trap = "closed before it finished"
+
+    def __del__(self) -> None:
+        if getattr(self, "_future", None) is not None:
+            self.close()

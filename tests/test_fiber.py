@@ -1,0 +1,395 @@
+"""Guests as wasmtime fibers: blocking host calls, round-robin polling, preemption, traps."""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import pytest
+import wasmtime
+
+from symphony_os.fiber import (AsyncLinker, EpochTicker, Fiber, Pending, Ready, make_async_engine,
+                               set_time_slice)
+
+I32 = wasmtime.ValType.i32()
+
+# A guest that imports `symphony.wait(x) -> y`, a host call that may block.
+GUEST_WAT = """
+(module
+  (import "symphony" "wait" (func $wait (param i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 16) "\\2a\\00\\00\\00")
+  ;; sum of wait(i) for i in 0..n
+  (func (export "sum_waits") (param $n i32) (result i32) (local $i i32) (local $sum i32)
+    (block $done (loop $next
+      (br_if $done (i32.ge_u (local.get $i) (local.get $n)))
+      (local.set $sum (i32.add (local.get $sum) (call $wait (local.get $i))))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br $next)))
+    (local.get $sum))
+  ;; wait(ptr), then read the i32 the host left at ptr
+  (func (export "wait_then_load") (param $ptr i32) (result i32)
+    (drop (call $wait (local.get $ptr)))
+    (i32.load (local.get $ptr)))
+  (func (export "count_to") (param $n i32) (result i32) (local $i i32)
+    (loop $next
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br_if $next (i32.lt_u (local.get $i) (local.get $n))))
+    (local.get $i))
+  (func (export "spin") (loop $forever (br $forever)))
+  (func (export "crash") unreachable))
+"""
+
+
+class WaitQueue:
+    """The `symphony.wait` handler: every call waits until `answer_all` completes it with
+    `answer(owner, x)`. `fail_when(owner, x)` picks calls that fail instead."""
+
+    def __init__(self, answer=lambda owner, x: 2 * x, fail_when=lambda owner, x: False):
+        self.answer = answer
+        self.fail_when = fail_when
+        self.waiting: list[tuple[Pending, object, int]] = []
+
+    def __call__(self, call, args):
+        pending = Pending()
+        self.waiting.append((pending, call.fiber.owner, args[0]))
+        return pending
+
+    def answer_all(self) -> int:
+        batch, self.waiting = self.waiting, []
+        for pending, owner, x in batch:
+            if self.fail_when(owner, x):
+                pending.fail(f"no answer for {owner} at {x}")
+            else:
+                pending.complete([self.answer(owner, x)])
+        return len(batch)
+
+
+def make_guest_env(handler, **engine_options):
+    engine = make_async_engine(**engine_options)
+    linker = AsyncLinker(engine)
+    linker.define_async("symphony", "wait", [I32], [I32], handler)
+    return engine, linker, wasmtime.Module(engine, wasmtime.wat2wasm(GUEST_WAT))
+
+
+def new_guest(engine, linker, module, slice_ticks=1):
+    store = wasmtime.Store(engine)
+    set_time_slice(store, slice_ticks)
+    instance = linker.instantiate(store, module)
+    return store, instance.exports(store)
+
+
+def run_to_end(fiber: Fiber, max_polls: int = 1000) -> Fiber:
+    for _ in range(max_polls):
+        if fiber.poll():
+            return fiber
+    raise AssertionError(f"fiber still running after {max_polls} polls")
+
+
+def test_blocking_host_call_suspends_and_resumes():
+    queue = WaitQueue(answer=lambda owner, x: x * 10)
+    engine, linker, module = make_guest_env(queue)
+    store, exports = new_guest(engine, linker, module, slice_ticks=1000)
+    fiber = Fiber(store, exports["sum_waits"], [3], owner="guest")
+
+    for expected_x in range(3):
+        assert fiber.poll() is False and fiber.poll() is False  # waiting, however often polled
+        assert [(owner, x) for _, owner, x in queue.waiting] == [("guest", expected_x)]
+        queue.answer_all()
+    assert fiber.poll() is True
+    assert fiber.result == [0 + 10 + 20] and fiber.trap is None and fiber.done
+
+
+def test_many_guests_round_robin_on_one_thread():
+    queue = WaitQueue(answer=lambda owner, x: 1000 * owner + x)
+    engine, linker, module = make_guest_env(queue, epoch_interruption=False)
+    calls_each = 20
+    guests = [new_guest(engine, linker, module) for _ in range(256)]
+    fibers = [Fiber(store, exports["sum_waits"], [calls_each], owner=index)
+              for index, (store, exports) in enumerate(guests)]
+
+    for round_index in range(calls_each + 1):
+        running = [fiber for fiber in fibers if not fiber.poll()]
+        # Each round every guest runs to its next call: one call per guest, none starved.
+        assert len(running) == (len(fibers) if round_index < calls_each else 0)
+        assert queue.answer_all() == len(running)
+    for index, fiber in enumerate(fibers):
+        assert fiber.result == [calls_each * 1000 * index + sum(range(calls_each))]
+
+
+@pytest.mark.timeout(60, method="thread")  # without preemption the first poll of `spin` never returns
+def test_epoch_preemption_lets_other_guests_finish():
+    queue = WaitQueue()
+    engine, linker, module = make_guest_env(queue)
+    spinner_store, spinner_exports = new_guest(engine, linker, module)
+    spinner = Fiber(spinner_store, spinner_exports["spin"])
+    workers = []
+    for _ in range(3):
+        store, exports = new_guest(engine, linker, module)
+        workers.append(Fiber(store, exports["count_to"], [3_000_000]))
+
+    spinner_yields = 0
+    with EpochTicker(engine, interval_s=0.002):
+        while not all(worker.done for worker in workers):
+            spinner_yields += not spinner.poll()
+            for worker in workers:
+                worker.poll()
+    assert [worker.result for worker in workers] == [[3_000_000]] * 3
+    assert spinner_yields >= 1 and not spinner.done
+    spinner.close()
+    assert spinner.trap == "closed before it finished"
+
+
+def test_handler_exception_becomes_trap_and_host_survives():
+    def broken(call, args):
+        raise ValueError(f"bad argument {args[0]}")
+
+    engine, linker, module = make_guest_env(broken, epoch_interruption=False)
+    store, exports = new_guest(engine, linker, module)
+    fiber = run_to_end(Fiber(store, exports["sum_waits"], [5]))
+    assert fiber.result is None
+    assert "symphony.wait failed: ValueError: bad argument 0" in fiber.trap
+    assert isinstance(fiber.error, ValueError)
+    # The same store runs the next call normally.
+    assert run_to_end(Fiber(store, exports["count_to"], [10])).result == [10]
+
+
+def test_sync_handler_exception_becomes_trap():
+    engine, linker, module = make_guest_env(WaitQueue(), epoch_interruption=False)
+    linker.define_func("symphony", "probe", [I32], [I32], lambda call, args: [args[0] // 0])
+    probe_module = wasmtime.Module(engine, wasmtime.wat2wasm("""
+        (module (import "symphony" "probe" (func $probe (param i32) (result i32)))
+          (func (export "run") (result i32) (call $probe (i32.const 1))))"""))
+    store = wasmtime.Store(engine)
+    fiber = run_to_end(Fiber(store, linker.instantiate(store, probe_module).exports(store)["run"]))
+    assert "symphony.probe failed: ZeroDivisionError" in fiber.trap
+
+
+def test_handler_returning_wrong_values_traps():
+    engine, linker, module = make_guest_env(lambda call, args: Ready([1, 2]), epoch_interruption=False)
+    store, exports = new_guest(engine, linker, module)
+    fiber = run_to_end(Fiber(store, exports["sum_waits"], [1]))
+    assert "symphony.wait takes 1 values, got 2" in fiber.trap
+
+    engine, linker, module = make_guest_env(lambda call, args: 7, epoch_interruption=False)
+    store, exports = new_guest(engine, linker, module)
+    fiber = run_to_end(Fiber(store, exports["sum_waits"], [1]))
+    assert "handler returned int, not Ready or Pending" in fiber.trap
+
+
+def test_pending_fail_traps_guest_with_message():
+    queue = WaitQueue(fail_when=lambda owner, x: x == 2)
+    engine, linker, module = make_guest_env(queue, epoch_interruption=False)
+    store, exports = new_guest(engine, linker, module)
+    fiber = Fiber(store, exports["sum_waits"], [5], owner="g7")
+    while not fiber.poll():
+        queue.answer_all()
+    assert fiber.result is None and "no answer for g7 at 2" in fiber.trap
+
+
+def test_guest_trap_reported():
+    engine, linker, module = make_guest_env(WaitQueue(), epoch_interruption=False)
+    store, exports = new_guest(engine, linker, module)
+    fiber = run_to_end(Fiber(store, exports["crash"]))
+    assert fiber.trap_code == wasmtime.TrapCode.UNREACHABLE
+    assert "unreachable" in fiber.trap and fiber.result is None
+
+
+def test_missing_time_slice_interrupts_guest():
+    engine, linker, module = make_guest_env(WaitQueue())
+    store = wasmtime.Store(engine)  # epochs on, but no set_time_slice
+    exports = linker.instantiate(store, module).exports(store)
+    fiber = run_to_end(Fiber(store, exports["count_to"], [10]))
+    assert fiber.trap_code == wasmtime.TrapCode.INTERRUPT
+
+
+def test_out_of_fuel_when_fuel_is_enabled():
+    engine, linker, module = make_guest_env(WaitQueue(), epoch_interruption=False, consume_fuel=True)
+    store = wasmtime.Store(engine)
+    store.set_fuel(100_000)
+    exports = linker.instantiate(store, module).exports(store)
+    fiber = run_to_end(Fiber(store, exports["spin"]))
+    assert fiber.trap_code == wasmtime.TrapCode.OUT_OF_FUEL
+    store.set_fuel(100_000)
+    assert run_to_end(Fiber(store, exports["count_to"], [100])).result == [100]
+
+
+def test_close_midway_frees_everything():
+    queue = WaitQueue()
+    engine, linker, module = make_guest_env(queue, epoch_interruption=False)
+    store, exports = new_guest(engine, linker, module)
+    for _ in range(300):
+        fiber = Fiber(store, exports["sum_waits"], [10])
+        assert fiber.poll() is False
+        (pending, _, _), = queue.waiting
+        fiber.close()
+        assert pending.abandoned and fiber.trap == "closed before it finished"
+        pending.complete([1])  # a late answer for a closed fiber is harmless
+        queue.waiting.clear()
+    # Fibers dropped without close(), mid-call, are closed by the garbage collector.
+    for _ in range(100):
+        Fiber(store, exports["sum_waits"], [10]).poll()
+    assert all(pending.abandoned for pending, _, _ in queue.waiting)
+    assert run_to_end(Fiber(store, exports["count_to"], [5])).result == [5]
+
+
+def test_one_call_at_a_time_per_store():
+    engine, linker, module = make_guest_env(WaitQueue(), epoch_interruption=False)
+    store, exports = new_guest(engine, linker, module)
+    first = Fiber(store, exports["sum_waits"], [1])
+    with pytest.raises(RuntimeError, match="one call at a time"):
+        Fiber(store, exports["count_to"], [1])
+    first.close()
+    assert run_to_end(Fiber(store, exports["count_to"], [1])).result == [1]
+
+
+def test_two_threads_each_with_own_stores():
+    """Handlers are shared; each thread's traps must name its own guests, never the other's."""
+    def failing_guest(owner) -> bool:
+        thread_name, index = owner
+        return thread_name == "odd" and index % 2 == 1
+
+    queue_by_thread = {}
+
+    def wait(call, args):
+        thread_name, index = call.fiber.owner
+        if failing_guest(call.fiber.owner) and args[0] == 3:
+            raise RuntimeError(f"guest {thread_name}/{index}")
+        return queue_by_thread[thread_name](call, args)
+
+    engine, linker, module = make_guest_env(wait, epoch_interruption=False)
+    outcomes = {}
+
+    def scheduler(thread_name):
+        queue = queue_by_thread[thread_name]
+        fibers = []
+        for index in range(32):
+            store, exports = new_guest(engine, linker, module)
+            fibers.append(Fiber(store, exports["sum_waits"], [50], owner=(thread_name, index)))
+        while not all([fiber.poll() for fiber in fibers]):
+            queue.answer_all()
+        outcomes[thread_name] = [(fiber.owner, fiber.result, fiber.trap) for fiber in fibers]
+
+    threads = []
+    for thread_name in ("odd", "even"):
+        queue_by_thread[thread_name] = WaitQueue()
+        threads.append(threading.Thread(target=scheduler, args=(thread_name,)))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    for thread_name in ("odd", "even"):
+        assert len(outcomes[thread_name]) == 32
+        for owner, result, trap in outcomes[thread_name]:
+            if failing_guest(owner):
+                assert result is None and f"RuntimeError: guest {owner[0]}/{owner[1]}" in trap
+            else:
+                assert result == [2 * sum(range(50))] and trap is None
+
+
+def test_handler_reads_and_writes_guest_memory():
+    def wait(call, args):
+        base, size = call.memory_location()
+        assert size == 65536  # one wasm page
+        value = ctypes.c_int32.from_address(base + 16).value  # the data segment's 42
+        ctypes.c_int32.from_address(base + args[0]).value = value + 1
+        return Ready([0])
+
+    engine, linker, module = make_guest_env(wait, epoch_interruption=False)
+    store, exports = new_guest(engine, linker, module)
+    assert run_to_end(Fiber(store, exports["wait_then_load"], [128])).result == [43]
+
+
+def test_memory_written_while_waiting_is_seen_on_resume():
+    calls = []
+
+    def wait(call, args):
+        calls.append((call, args[0], Pending()))
+        return calls[-1][2]
+
+    engine, linker, module = make_guest_env(wait, epoch_interruption=False)
+    store, exports = new_guest(engine, linker, module)
+    fiber = Fiber(store, exports["wait_then_load"], [256])
+    assert fiber.poll() is False
+    (call, ptr, pending), = calls
+    base, _ = call.memory_location()  # the guest is suspended: its memory holds still
+    ctypes.c_int32.from_address(base + ptr).value = -7
+    pending.complete([0])
+    assert run_to_end(fiber).result == [-7]
+    with pytest.raises(RuntimeError, match="already completed"):
+        call.memory_location()
+
+
+def test_sync_and_async_host_functions_side_by_side():
+    engine, linker, _ = make_guest_env(lambda call, args: Ready([args[0] * 3]), epoch_interruption=False)
+    linker.define_func("symphony", "add", [I32, I32], [I32], lambda call, args: [args[0] + args[1]])
+    module = wasmtime.Module(engine, wasmtime.wat2wasm("""
+        (module
+          (import "symphony" "wait" (func $wait (param i32) (result i32)))
+          (import "symphony" "add" (func $add (param i32 i32) (result i32)))
+          (func (export "run") (param i32) (result i32)
+            (call $add (call $wait (local.get 0)) (i32.const 1))))"""))
+    store = wasmtime.Store(engine)
+    exports = linker.instantiate(store, module).exports(store)
+    assert run_to_end(Fiber(store, exports["run"], [5])).result == [16]
+
+
+def test_start_function_may_block():
+    queue = WaitQueue(answer=lambda owner, x: x + 1)
+    engine, linker, _ = make_guest_env(queue, epoch_interruption=False)
+    module = wasmtime.Module(engine, wasmtime.wat2wasm("""
+        (module
+          (import "symphony" "wait" (func $wait (param i32) (result i32)))
+          (global $ready (mut i32) (i32.const 0))
+          (func $start (global.set $ready (call $wait (i32.const 41))))
+          (start $start)
+          (func (export "ready") (result i32) (global.get $ready)))"""))
+    store = wasmtime.Store(engine)
+    instantiation = linker.start_instantiate(store, module, owner="booting")
+    assert instantiation.poll() is False and queue.waiting[0][1:] == ("booting", 41)
+    queue.answer_all()
+    assert instantiation.poll() is True
+    instance, = instantiation.result
+    assert run_to_end(Fiber(store, instance.exports(store)["ready"])).result == [42]
+
+
+def test_instantiate_reports_missing_import():
+    engine = make_async_engine(epoch_interruption=False)
+    module = wasmtime.Module(engine, wasmtime.wat2wasm(GUEST_WAT))
+    with pytest.raises(wasmtime.WasmtimeError, match="symphony::wait"):
+        AsyncLinker(engine).instantiate(wasmtime.Store(engine), module)
+
+
+def test_wasi_guest_output_and_exit_code(tmp_path):
+    engine = make_async_engine(epoch_interruption=False)
+    linker = AsyncLinker(engine)
+    linker.define_wasi()
+    module = wasmtime.Module(engine, wasmtime.wat2wasm("""
+        (module
+          (import "wasi_snapshot_preview1" "fd_write" (func $fd_write (param i32 i32 i32 i32) (result i32)))
+          (import "wasi_snapshot_preview1" "proc_exit" (func $proc_exit (param i32)))
+          (memory (export "memory") 1)
+          (data (i32.const 8) "\\00\\01\\00\\00\\03\\00\\00\\00")  ;; iovec: 3 bytes at 256
+          (data (i32.const 256) "hi\\n")
+          (func (export "_start")
+            (drop (call $fd_write (i32.const 1) (i32.const 8) (i32.const 1) (i32.const 32)))
+            (call $proc_exit (i32.const 3))))"""))
+    store = wasmtime.Store(engine)
+    wasi = wasmtime.WasiConfig()
+    wasi.stdout_file = str(tmp_path / "stdout")
+    store.set_wasi(wasi)
+    fiber = run_to_end(Fiber(store, linker.instantiate(store, module).exports(store)["_start"]))
+    assert fiber.exit_code == 3 and fiber.result == [] and fiber.trap is None
+    assert (tmp_path / "stdout").read_text() == "hi\n"
+
+
+def test_keyboard_interrupt_in_handler_reaches_host():
+    def interrupted(call, args):
+        raise KeyboardInterrupt
+
+    engine, linker, module = make_guest_env(interrupted, epoch_interruption=False)
+    store, exports = new_guest(engine, linker, module)
+    fiber = Fiber(store, exports["sum_waits"], [1])
+    with pytest.raises(KeyboardInterrupt):
+        fiber.poll()
+    assert fiber.done and "KeyboardInterrupt" in fiber.trap

@@ -1,0 +1,254 @@
+"""LIPs run: the example programs against the engine's Python API, concurrency, preemption,
+killing, and refusing bad modules."""
+import threading
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from guests import lip, wat
+from symphony_os.cli import main
+from symphony_os.engine import Engine
+from symphony_os.process import EXIT_KILLED, ProcessState
+from symphony_os.program import ProgramError
+from symphony_os.runtime import Runtime
+from symphony_os.sampling import Distribution, Sample, TopK
+
+
+@pytest.fixture
+def stories_engine(stories_path):
+    engine = Engine.from_path(stories_path, device="cpu", page_size=16, num_pages=2048)
+    yield engine
+    assert engine.pool.stats().used == 0 or engine.kvfs.list_files("default"), engine.pool.stats()
+
+
+def run_lip(runtime, name, args, timeout_s=120):
+    out, log = [], []
+    process = runtime.spawn(runtime.load(lip(name)), args, on_output=out.append, on_log=log.append)
+    code = runtime.wait(process, timeout_s)
+    assert code == 0, (process.end_reason, "".join(log))
+    return b"".join(out).decode(), "".join(log), process
+
+
+# ---- what each example computes, through the engine's Python API ----
+
+def hello_via_api(engine, prompt, max_tokens):
+    kv = engine.session()
+    h = kv.create()
+    ids = engine.tokenize(prompt)
+    sent = engine.detokenize(ids)
+    out, feed = sent, ids
+    eos = set(engine.loaded.eos_token_ids)
+    for _ in range(max_tokens):
+        token = int(engine.pred(kv, h, feed, want=Distribution()).probs.argmax())
+        if token in eos:
+            break
+        ids = ids + [token]
+        text = engine.detokenize(ids)
+        if len(text.encode()) > len(sent.encode()):
+            out += text.encode()[len(sent.encode()):].decode()
+            sent = text
+        feed = [token]
+    kv.close_all()
+    return out + "\n"
+
+
+def parallel_via_api(engine, system, steps, queries):
+    kv = engine.session()
+    prefix = engine.tokenize(system)
+    shared = kv.create()
+    engine.pred(kv, shared, prefix[:-1])
+    branches = [[prefix[-1]] + engine.tokenize(q, add_special_tokens=False) for q in queries]
+    handles = [kv.fork(shared) for _ in queries]
+    fed, done = [0] * len(queries), [False] * len(queries)
+    eos = set(engine.loaded.eos_token_ids)
+    for _ in range(steps):
+        for b, h in enumerate(handles):
+            if done[b]:
+                continue
+            token = engine.pred(kv, h, branches[b][fed[b]:], want=Sample()).token
+            fed[b] = len(branches[b])
+            if token in eos:
+                done[b] = True
+            else:
+                branches[b].append(token)
+    kv.close_all()
+    return "".join(f"[{b}] {engine.detokenize(ids[1:])}\n" for b, ids in enumerate(branches))
+
+
+def beam_via_api(engine, prompt, width, steps):
+    kv = engine.session()
+    ids = engine.tokenize(prompt)
+    root = kv.create()
+    engine.pred(kv, root, ids[:-1])
+    beams = [(root, ids, 0.0)]
+    for _ in range(steps):
+        candidates = []
+        for b, (h, tokens, score) in enumerate(beams):
+            r = engine.pred(kv, h, tokens[-1:], want=TopK(width))
+            candidates += [(score + lp, b, j, t) for j, (t, lp) in enumerate(zip(r.top_ids, r.top_logprobs))]
+        # The C program keeps float32 log-probs in a double sum, best first, ties by position.
+        candidates.sort(key=lambda c: (-c[0], c[1] * width + c[2]))
+        new = [(kv.fork(beams[b][0]), beams[b][1] + [t], s) for s, b, _, t in candidates[:width]]
+        for h, _, _ in beams:
+            kv.close(h)
+        beams = new
+    best = beams[0]
+    kv.close_all()
+    return f"{engine.detokenize(best[1])}\nscore {best[2]:.4f}\n"
+
+
+# ---- the examples ----
+
+def test_hello_prints_what_the_engine_api_computes(stories_engine):
+    with Runtime(stories_engine) as runtime:
+        out, _, _ = run_lip(runtime, "hello", ["Once upon a time", "30"])
+    assert out == hello_via_api(stories_engine, "Once upon a time", 30)
+    assert out.startswith("Once upon a time, there was")
+
+
+def test_parallel_matches_api_batches_branches_and_prefills_prefix_once(stories_engine):
+    system, queries = "Once upon a time, there was a cat.", ["The cat", "One day", "Tom", "She"]
+    args = [system, "10", *queries]
+    with Runtime(stories_engine) as runtime:
+        out, log, _ = run_lip(runtime, "parallel", args)
+        stats = stories_engine.stats()
+        assert "prefilling" in log
+        again, log_again, _ = run_lip(runtime, "parallel", args)
+        assert "reusing" in log_again and "prefilling" not in log_again
+    assert out == again == parallel_via_api(stories_engine, system, 10, queries)
+    assert stats.mean_batch_size > 1  # the branches share batches
+    # Work done by the first run: the prefix once, then every branch's own tokens, nothing more.
+    prefix_len = len(stories_engine.tokenize(system))
+    branch_tokens = sum(1 + len(stories_engine.tokenize(q, add_special_tokens=False)) for q in queries)
+    generated = sum(len(line.split()) > 0 for line in out.splitlines())  # sanity: 4 lines
+    assert generated == 4
+    assert stats.tokens <= (prefix_len - 1) + branch_tokens + 4 * 9
+    kv = stories_engine.session()
+    for f in kv.list():
+        kv.remove(f.name)
+
+
+def test_beam_matches_api(stories_engine):
+    with Runtime(stories_engine) as runtime:
+        out, _, _ = run_lip(runtime, "beam", ["Once upon a time", "3", "10"])
+    assert out == beam_via_api(stories_engine, "Once upon a time", 3, 10)
+
+
+def test_64_concurrent_hellos_print_what_they_print_alone(stories_engine):
+    names = ["Tom", "Lily", "Sue", "Ben", "Max", "Mia", "Sam", "Ann"]
+    prompts = [f"{a} and {b} went to the" for a in names for b in names]
+    assert len(prompts) == 64
+    with Runtime(stories_engine) as runtime:
+        program = runtime.load(lip("hello"))
+        alone = {p: run_lip(runtime, "hello", [p, "12"])[0] for p in prompts[:8]}
+        outputs = {p: [] for p in prompts}
+        batches_before = stories_engine.stats().batches
+        procs = [runtime.spawn(program, [p, "12"], on_output=outputs[p].append) for p in prompts]
+        for proc in procs:
+            assert runtime.wait(proc, 120) == 0
+        batches = stories_engine.stats().batches - batches_before
+    together = {p: b"".join(chunks).decode() for p, chunks in outputs.items()}
+    for p in prompts[:8]:
+        assert together[p] == alone[p]
+    for p in prompts:
+        assert together[p] == hello_via_api(stories_engine, p, 12)
+    assert batches < 64 * 13 / 4  # they shared batches
+
+
+SPIN = wat('(module (memory (export "memory") 1) (func (export "_start") (loop $l (br $l))))')
+
+
+def test_infinite_loop_is_preempted_and_kill_stops_it(stories_engine):
+    with Runtime(stories_engine) as runtime:
+        spinner = runtime.spawn(runtime.load(SPIN, "spin"))
+        out, _, _ = run_lip(runtime, "hello", ["Once upon a time", "10"])
+        assert out == hello_via_api(stories_engine, "Once upon a time", 10)
+        assert spinner.state == ProcessState.RUNNABLE
+        runtime.kill(spinner.pid, "killed by test")
+        assert runtime.wait(spinner, 10) == EXIT_KILLED
+        assert spinner.state == ProcessState.KILLED and spinner.end_reason == "killed by test"
+
+
+def test_kill_while_blocked_on_recv(tiny_engine):
+    reader = wat('''(module (import "symphony" "recv" (func $recv (param i32 i32) (result i32)))
+      (memory (export "memory") 1) (func (export "_start") (drop (call $recv (i32.const 0) (i32.const 64)))))''')
+    with Runtime(tiny_engine) as runtime:
+        proc = runtime.spawn(runtime.load(reader, "reader"))
+        deadline = time.time() + 10
+        while proc.state != ProcessState.BLOCKED_ON_RECV and time.time() < deadline:
+            time.sleep(0.01)
+        assert proc.state == ProcessState.BLOCKED_ON_RECV
+        proc.kill()
+        assert runtime.wait(proc, 10) == EXIT_KILLED
+
+
+def test_recv_gets_messages_and_closed(tiny_engine):
+    echo = wat('''(module
+      (import "symphony" "recv" (func $recv (param i32 i32) (result i32)))
+      (import "symphony" "send" (func $send (param i32 i32) (result i32)))
+      (memory (export "memory") 1)
+      (func (export "_start") (local $n i32)
+        (block $done (loop $next
+          (local.set $n (call $recv (i32.const 0) (i32.const 4)))
+          (if (i32.eq (local.get $n) (i32.const -11))  ;; too small: kept, read with more room
+            (then (local.set $n (call $recv (i32.const 0) (i32.const 100)))))
+          (br_if $done (i32.lt_s (local.get $n) (i32.const 0)))
+          (drop (call $send (i32.const 0) (local.get $n)))
+          (br $next)))))''')
+    with Runtime(tiny_engine) as runtime:
+        out = []
+        proc = runtime.spawn(runtime.load(echo, "echo"), on_output=out.append)
+        for message in (b"hi", b"a longer message", b""):
+            proc.deliver(message)
+        proc.close_input()
+        assert runtime.wait(proc, 10) == 0
+    assert out == [b"hi", b"a longer message", b""]
+
+
+def test_exit_codes_and_traps(tiny_engine):
+    exit7 = wat('''(module (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))
+      (memory (export "memory") 1) (func (export "_start") (call $exit (i32.const 7))))''')
+    trap = wat('(module (memory (export "memory") 1) (func (export "_start") unreachable))')
+    with Runtime(tiny_engine) as runtime:
+        p1 = runtime.spawn(runtime.load(exit7, "exit7"))
+        p2 = runtime.spawn(runtime.load(trap, "trap"))
+        assert runtime.wait(p1, 10) == 7 and p1.state == ProcessState.EXITED
+        assert runtime.wait(p2, 10) == 134 and p2.state == ProcessState.KILLED
+        assert "unreachable" in p2.end_reason
+
+
+BAD_MODULES = {
+    "not wasm": (b"hello world", "not a WebAssembly module"),
+    "truncated": (b"\x00asm\x01\x00\x00\x00\x01", "invalid WebAssembly"),
+    "component": (b"\x00asm\x0d\x00\x01\x00", "component"),
+    "no _start": (wat('(module (memory (export "memory") 1))'), "no _start"),
+    "no memory": (wat('(module (func (export "_start")))'), "no memory"),
+    "unknown import": (wat('(module (import "env" "f" (func)) (memory (export "memory") 1) (func (export "_start")))'),
+                       "unknown import env.f"),
+    "unknown call": (wat('(module (import "symphony" "format_disk" (func)) (memory (export "memory") 1) '
+                         '(func (export "_start")))'), "no such system call"),
+    "wrong signature": (wat('(module (import "symphony" "kv_len" (func (param i64) (result i32))) '
+                            '(memory (export "memory") 1) (func (export "_start")))'), "wrong signature"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MODULES))
+def test_bad_modules_are_refused_with_one_line(tiny_engine, case, tmp_path):
+    data, message = BAD_MODULES[case]
+    with Runtime(tiny_engine) as runtime:
+        with pytest.raises(ProgramError, match=message) as info:
+            runtime.load(data)
+    assert "\n" not in str(info.value)
+    path = tmp_path / "bad.wasm"
+    path.write_bytes(data)
+    result = CliRunner().invoke(main, ["run", "--model", str(tiny_engine.loaded.path), str(path)])
+    assert result.exit_code == 2 and message.split()[0] in result.output
+
+
+def test_symphony_run_streams_output_and_stats(stories_path):
+    result = CliRunner().invoke(main, ["run", "--model", str(stories_path), "--stats", str(lip("hello")),
+                                       "--", "Once upon a time", "20"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("Once upon a time, there was")
+    assert "mean batch size" in result.output and "KV pages peak" in result.output
