@@ -29,6 +29,11 @@ class GuestMemory:
             raise BadPointer(f"guest range [{ptr}, {ptr}+{length}) is outside memory of {size} bytes")
         return base + ptr
 
+    def check(self, ptr: int, length: int) -> None:
+        """Raise BadPointer unless [ptr, ptr + length) lies inside memory (an output buffer the
+        guest offers is checked whole, however much of it is then used)."""
+        self._check(ptr, length)
+
     @property
     def size(self) -> int:
         return self._locate()[1]

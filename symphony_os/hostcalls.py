@@ -85,6 +85,7 @@ class HostCalls:
         ids = list(self.engine.loaded.eos_token_ids)
         if cap < 0:
             raise InvalidArgument("cap must be >= 0")
+        mem.check(out_ptr, 4 * cap)
         mem.write_i32s(out_ptr, ids[:cap])
         return len(ids)
 
@@ -101,6 +102,7 @@ class HostCalls:
         if not 0 <= text_len <= MAX_TEXT_BYTES or flags not in (0, 1) or cap < 0:
             raise InvalidArgument("tokenize: text length, flags or cap out of range")
         text = mem.read_str(text_ptr, text_len)
+        mem.check(out_ptr, 4 * cap)
         ids = self.engine.tokenize(text, add_special_tokens=bool(flags & 1))
         mem.write_i32s(out_ptr, ids[:cap])
         return len(ids)
@@ -118,6 +120,7 @@ class HostCalls:
     def _write_text(mem: GuestMemory, data: bytes, out_ptr: int, cap: int) -> int:
         if cap < 0:
             raise InvalidArgument("cap must be >= 0")
+        mem.check(out_ptr, cap)
         mem.write(out_ptr, data[:cap])
         return len(data)
 
@@ -210,7 +213,11 @@ class HostCalls:
         if entry is None:
             raise BadHandle(f"pred ticket {ticket} is not in flight in this process")
 
+        if cap < 0:
+            raise InvalidArgument("cap must be >= 0")
+
         def finish(mem: GuestMemory) -> int:
+            mem.check(out_ptr, 4 * cap)
             try:
                 result = entry.future.result()
             except SymphonyError as error:
@@ -249,6 +256,7 @@ class HostCalls:
     def recv(self, mem: GuestMemory, out_ptr: int, cap: int) -> int | Block:
         if cap < 0:
             raise InvalidArgument("cap must be >= 0")
+        mem.check(out_ptr, cap)
 
         def finish(mem: GuestMemory) -> int:
             message = self.process.peek_input()

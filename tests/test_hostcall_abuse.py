@@ -1,0 +1,158 @@
+"""Every host call with hostile arguments: out-of-bounds, negative and huge pointers and
+lengths, stale and foreign handles, bad tickets. Each gets its error code; the host and a
+well-behaved process next to it carry on; nothing leaks."""
+import struct
+
+import pytest
+
+from guests import wat
+from symphony_os.errors import ErrorCode as E
+from symphony_os.hostcalls import HostCalls
+from symphony_os.runtime import Runtime
+
+PAGE = 65536  # the guest has one page of memory
+OOB, NEG, HUGE = PAGE - 2, -1, 0x7FFFFFF0
+TEXT, BAD_IDS, GOOD_IDS, BAD_IOVEC = 1024, 1100, 1200, 1300
+RESULTS = 4096
+
+# (call, args, expected). "KV" is a handle the guest created, "STALE" one it closed,
+# "TICKET" a pred in flight. 3 is a handle number this guest never got (another process may hold it).
+CASES = [
+    ("kv_len", [99], E.BAD_HANDLE), ("kv_len", [NEG], E.BAD_HANDLE), ("kv_len", ["STALE"], E.BAD_HANDLE),
+    ("kv_close", ["STALE"], E.BAD_HANDLE), ("kv_close", [0], E.BAD_HANDLE),
+    ("kv_fork", [HUGE], E.BAD_HANDLE), ("kv_fork", [3], E.BAD_HANDLE),
+    ("kv_extract", ["KV", 5, 2], E.INVALID_ARGUMENT), ("kv_extract", ["KV", NEG, 0], E.INVALID_ARGUMENT),
+    ("kv_extract", ["STALE", 0, 0], E.BAD_HANDLE),
+    ("kv_merge", ["KV", 12345], E.BAD_HANDLE),
+    ("kv_truncate", ["KV", 99999], E.INVALID_ARGUMENT), ("kv_truncate", ["KV", NEG], E.INVALID_ARGUMENT),
+    ("kv_hint", ["KV", 8, 0, 0], E.INVALID_ARGUMENT), ("kv_hint", ["STALE", 1, 0, 0], E.BAD_HANDLE),
+    ("kv_open", [OOB, 100, 0], E.BAD_POINTER), ("kv_open", [NEG, 4, 0], E.BAD_POINTER),
+    ("kv_open", [TEXT, NEG, 0], E.INVALID_ARGUMENT), ("kv_open", [TEXT, HUGE, 1], E.INVALID_ARGUMENT),
+    ("kv_open", [TEXT, 3, 99], E.INVALID_ARGUMENT), ("kv_open", [TEXT, 3, 0], E.FILE_NOT_FOUND),
+    ("kv_open", [TEXT + 4, 4, 1], E.INVALID_ARGUMENT),  # "../x"
+    ("kv_remove", [TEXT, 3], E.FILE_NOT_FOUND), ("kv_remove", [OOB, 10], E.BAD_POINTER),
+    ("tokenize", [OOB, 10, 0, RESULTS + 512, 4], E.BAD_POINTER),
+    ("tokenize", [TEXT, NEG, 0, RESULTS + 512, 4], E.INVALID_ARGUMENT),
+    ("tokenize", [TEXT, 3, 0, OOB, 100], E.BAD_POINTER), ("tokenize", [TEXT, 3, 0, 0, NEG], E.INVALID_ARGUMENT),
+    ("tokenize", [TEXT, 3, 7, 0, 0], E.INVALID_ARGUMENT),
+    ("detokenize", [NEG, 2, 0, 0], E.BAD_POINTER), ("detokenize", [GOOD_IDS, NEG, 0, 0], E.INVALID_ARGUMENT),
+    ("detokenize", [GOOD_IDS, HUGE, 0, 0], E.INVALID_ARGUMENT), ("detokenize", [BAD_IDS, 1, 0, 0], E.INVALID_ARGUMENT),
+    ("detokenize", [GOOD_IDS, 1, OOB, 100], E.BAD_POINTER),
+    ("eos_ids", [NEG, 4], E.BAD_POINTER), ("eos_ids", [0, NEG], E.INVALID_ARGUMENT),
+    ("model_name", [OOB, 100], E.BAD_POINTER),
+    ("pred_submit", [77, GOOD_IDS, 0, 1, 0, 0], E.BAD_HANDLE),
+    ("pred_submit", ["STALE", GOOD_IDS, 0, 1, 0, 0], E.BAD_HANDLE),
+    ("pred_submit", ["KV", NEG, 0, 1, 0, 0], E.BAD_POINTER),
+    ("pred_submit", ["KV", GOOD_IDS, OOB, 1, 0, 0], E.BAD_POINTER),
+    ("pred_submit", ["KV", GOOD_IDS, 0, 0, 0, 0], E.INVALID_ARGUMENT),
+    ("pred_submit", ["KV", GOOD_IDS, 0, NEG, 0, 0], E.INVALID_ARGUMENT),
+    ("pred_submit", ["KV", GOOD_IDS, 0, HUGE, 0, 0], E.INVALID_ARGUMENT),
+    ("pred_submit", ["KV", OOB, 0, 1000, 0, 0], E.BAD_POINTER),
+    ("pred_submit", ["KV", BAD_IDS, 0, 1, 0, 0], E.INVALID_ARGUMENT),
+    ("pred_submit", ["KV", GOOD_IDS, 0, 1, 9, 0], E.INVALID_ARGUMENT),
+    ("pred_submit", ["KV", GOOD_IDS, 0, 1, 1, 0], E.INVALID_ARGUMENT),  # top-0
+    ("pred_submit", ["KV", GOOD_IDS, 0, 1, 2, OOB], E.BAD_POINTER),  # sampling record
+    ("pred_submit", ["KV", GOOD_IDS, 0, 1, 2, NEG], E.BAD_POINTER),
+    ("pred_wait", [999, 0, 0], E.BAD_HANDLE), ("pred_wait", [NEG, 0, 0], E.BAD_HANDLE),
+    ("pred_wait", ["TICKET", OOB, 1000], E.BAD_POINTER),  # the distribution does not fit there
+    ("pred_wait", ["TICKET", RESULTS + 1024, 3], E.BUFFER_TOO_SMALL),
+    ("send", [NEG, 5], E.BAD_POINTER), ("send", [0, NEG], E.INVALID_ARGUMENT), ("send", [OOB, 10], E.BAD_POINTER),
+    ("send", [0, HUGE], E.INVALID_ARGUMENT),
+    ("recv", [0, NEG], E.INVALID_ARGUMENT), ("recv", [OOB, 100], E.BAD_POINTER),
+    ("pred_wait", ["TICKET", 0, NEG], E.INVALID_ARGUMENT), ("pred_wait", ["TICKET", 0, HUGE], E.BAD_POINTER),
+]
+
+
+def arg(value):
+    return f"(global.get ${value.lower()})" if isinstance(value, str) else f"(i32.const {value})"
+
+
+def abusive_module() -> bytes:
+    table = HostCalls.table()
+    imports = "\n".join(
+        f'(import "symphony" "{name}" (func ${name} (param {" i32" * n}) (result i32)))' if n else
+        f'(import "symphony" "{name}" (func ${name} (result i32)))' for name, n in table.items())
+    calls = "\n".join(
+        f"(i32.store (i32.const {RESULTS + 4 * i}) (call ${name} {' '.join(arg(a) for a in args)}))"
+        for i, (name, args, _) in enumerate(CASES))
+    return wat(f"""(module
+      {imports}
+      (import "wasi_snapshot_preview1" "fd_write" (func $fd_write (param i32 i32 i32 i32) (result i32)))
+      (memory (export "memory") 1)
+      (data (i32.const {TEXT}) "abc\\00../x")
+      (data (i32.const {BAD_IDS}) "\\ff\\ff\\ff\\7f")
+      (data (i32.const {GOOD_IDS}) "\\01\\00\\00\\00")
+      (data (i32.const {BAD_IOVEC}) "\\00\\00\\ff\\7f\\10\\00\\00\\00")
+      (global $kv (mut i32) (i32.const 0))
+      (global $stale (mut i32) (i32.const 0))
+      (global $ticket (mut i32) (i32.const 0))
+      (func (export "_start")
+        (global.set $kv (call $kv_create))
+        (global.set $stale (call $kv_create))
+        (drop (call $kv_close (global.get $stale)))
+        (global.set $ticket (call $pred_submit (global.get $kv) (i32.const {GOOD_IDS}) (i32.const 0)
+                                              (i32.const 1) (i32.const 0) (i32.const 0)))
+        {calls}
+        ;; WASI output with a wild iovec: an errno, not a crash
+        (i32.store (i32.const {RESULTS + 4 * len(CASES)})
+                   (call $fd_write (i32.const 1) (i32.const {BAD_IOVEC}) (i32.const 1) (i32.const 0)))
+        (i32.store (i32.const {RESULTS + 4 * len(CASES) + 4})
+                   (call $fd_write (i32.const 9) (i32.const {BAD_IOVEC}) (i32.const 1) (i32.const 0)))
+        (drop (call $send (i32.const {RESULTS}) (i32.const {4 * len(CASES) + 8})))))""")
+
+
+def test_every_call_with_arguments_is_abused():
+    assert {name for name, _, _ in CASES} == {name for name, n in HostCalls.table().items() if n}
+
+
+def test_hostile_arguments_get_error_codes_and_others_carry_on(tiny_engine):
+    from symphony_os.sampling import Sample
+
+    with Runtime(tiny_engine) as runtime:
+        # A well-behaved neighbour, through the same engine, before and after.
+        kv = tiny_engine.session()
+        good = kv.create()
+        first = tiny_engine.pred(kv, good, [1, 5, 9], want=Sample()).token
+        out = []
+        proc = runtime.spawn(runtime.load(abusive_module(), "abuser"), on_output=out.append)
+        proc.close_input()
+        assert runtime.wait(proc, 60) == 0, proc.end_reason
+        data = b"".join(out)
+        got = struct.unpack(f"<{len(CASES) + 2}i", data)
+        for (name, args, expected), code in zip(CASES, got):
+            assert code == expected, f"{name}{tuple(args)} returned {code}, expected {int(expected)} ({expected.name})"
+        assert got[-2:] == (21, 8)  # WASI: EFAULT for the wild iovec, EBADF for fd 9
+        kv.truncate(good, 0)
+        assert tiny_engine.pred(kv, good, [1, 5, 9], want=Sample()).token == first
+        kv.close_all()
+    assert tiny_engine.pool.stats().used == 0
+
+
+@pytest.mark.parametrize("count", [300])
+def test_too_many_preds_in_flight_is_a_limit(tiny_engine, count):
+    module = wat(f"""(module
+      (import "symphony" "kv_create" (func $kv_create (result i32)))
+      (import "symphony" "kv_fork" (func $kv_fork (param i32) (result i32)))
+      (import "symphony" "pred_submit" (func $submit (param i32 i32 i32 i32 i32 i32) (result i32)))
+      (import "symphony" "send" (func $send (param i32 i32) (result i32)))
+      (memory (export "memory") 1)
+      (data (i32.const 16) "\\01\\00\\00\\00")
+      (func (export "_start") (local $i i32) (local $r i32) (local $kv i32)
+        (local.set $kv (call $kv_create))
+        (block $out (loop $next
+          (local.set $r (call $submit (call $kv_fork (local.get $kv)) (i32.const 16) (i32.const 0)
+                                      (i32.const 1) (i32.const 2) (i32.const 0)))
+          (br_if $out (i32.lt_s (local.get $r) (i32.const 0)))
+          (local.set $i (i32.add (local.get $i) (i32.const 1)))
+          (br_if $next (i32.lt_s (local.get $i) (i32.const {count})))))
+        (i32.store (i32.const 0) (local.get $i))
+        (i32.store (i32.const 4) (local.get $r))
+        (drop (call $send (i32.const 0) (i32.const 8)))))""")
+    with Runtime(tiny_engine) as runtime:
+        out = []
+        proc = runtime.spawn(runtime.load(module, "flood"), on_output=out.append)
+        assert runtime.wait(proc, 60) == 0, proc.end_reason
+    submitted, last = struct.unpack("<2i", b"".join(out))
+    assert submitted == runtime.limits.preds_in_flight and last == E.LIMIT_EXCEEDED
+    tiny_engine.run_until_idle()  # the abandoned preds finish and free their forks
+    assert tiny_engine.pool.stats().used == 0
