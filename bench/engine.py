@@ -18,29 +18,21 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from symphony_os.engine import Engine
 from symphony_os.loader import load_model
+from symphony_os.random_model import build_random_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 BENCH_SHAPE = dict(vocab_size=24576, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
-                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+                   tie_word_embeddings=False)
 
 
 def make_model(directory: Path, dtype: torch.dtype) -> None:
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**BENCH_SHAPE), dtype=dtype)
-    model.save_pretrained(directory)
-    # The engine's loader wants a tokenizer; the benchmark never uses its vocabulary.
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
-                            unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(directory)
+    build_random_model(directory, "llama", seed=0, dtype=dtype, **BENCH_SHAPE)
 
 
 def run_engine(engine: Engine, prompts: torch.Tensor, new_tokens: int) -> tuple[float, float, list[list[int]]]:

@@ -120,7 +120,7 @@ class TritonAttention:
         self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if meta.sliding_window:
+        if meta.sliding_window and meta.max_context_len > meta.sliding_window:
             raise NotImplementedError("the Triton kernels have no sliding window; use --attention torch")
         if meta.max_query_len == 1:
             return self._decode(q, k_cache, v_cache, meta.page_table, meta.context_lens, scale)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +16,8 @@ from .kvfs import KVFS, KvSession
 from .loader import LoadedModel, load_model
 from .model_runner import ModelRunner, SequenceInput
 from .pool import KVPool
-from .sampling import PredResult, Sample, Want, process_logits, validate_want
+from .pred_future import PredFuture
+from .sampling import GREEDY, PredResult, Want, process_logits, validate_want
 from .scheduler import BatchPlan, BatchScheduler, PredRequest
 
 DEFAULT_CPU_KV_BYTES = 512 * 2**20
@@ -98,9 +98,9 @@ class Engine:
         return self.loaded.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def submit(self, session: KvSession, handle: int, tokens: list[int], positions: list[int] | None = None,
-               want: Want = Sample()) -> Future:
+               want: Want = GREEDY) -> PredFuture:
         """Queue a pred: append `tokens` to the file behind `handle` (at `positions`; None
-        continues the file) and answer `want`. Returns a Future of PredResult (or the error)."""
+        continues the file) and answer `want`. Returns a PredFuture of PredResult (or the error)."""
         vocab = self.loaded.config.vocab_size
         tokens = list(tokens)
         if not tokens:
@@ -123,7 +123,7 @@ class Engine:
         return request.future
 
     def pred(self, session: KvSession, handle: int, tokens: list[int], positions: list[int] | None = None,
-             want: Want = Sample()) -> PredResult:
+             want: Want = GREEDY) -> PredResult:
         """submit() and wait; without a background thread, runs batches in this thread."""
         future = self.submit(session, handle, tokens, positions, want)
         if self._thread is None:
@@ -200,30 +200,39 @@ class Engine:
         c["tokens"] += sum(len(s.tokens) for s in seqs)
         c["forward_s"] += time.perf_counter() - started
         done = iter(results)
+        finished = []
         for chunk in chunks:
             chunk.request.done += chunk.count
             if chunk.is_last:
-                self._finish(chunk.request, result=next(done))
+                finished.append((chunk.request, next(done), None))
+        self._finish_all(finished)
 
     def _finish(self, request: PredRequest, result: PredResult | None = None,
                 error: BaseException | None = None) -> None:
-        """Take the request out of the queue, release its file, and complete its future."""
+        self._finish_all([(request, result, error)])
+
+    def _finish_all(self, outcomes: list[tuple[PredRequest, PredResult | None, BaseException | None]]) -> None:
+        """Take the requests out of the queue, release their files, complete their futures."""
         with self._queue_lock:
-            self.scheduler.remove(request)
+            for request, _, _ in outcomes:
+                self.scheduler.remove(request)
         with self.kvfs.lock:
-            file = request.file
-            if error is not None and request.length_before is not None:
-                # Undo the chunks already appended: a failed pred leaves the file as it was.
-                self.kvfs.shrink(file, request.length_before)
-            file.inflight -= 1
-            self.kvfs.release(file)
-        if request.started_at is not None:
-            self._counters["requests"] += 1
-            self._counters["queue_wait_s"] += request.started_at - request.submitted_at
-        if error is not None:
-            request.future.set_exception(error)
-        else:
-            request.future.set_result(result)
+            for request, _, error in outcomes:
+                file = request.file
+                if error is not None and request.length_before is not None:
+                    # Undo the chunks already appended: a failed pred leaves the file as it was.
+                    self.kvfs.shrink(file, request.length_before)
+                file.inflight -= 1
+                self.kvfs.release(file)
+        counters = self._counters
+        for request, result, error in outcomes:
+            if request.started_at is not None:
+                counters["requests"] += 1
+                counters["queue_wait_s"] += request.started_at - request.submitted_at
+            if error is not None:
+                request.future.set_exception(error)
+            else:
+                request.future.set_result(result)
 
     def run_until_idle(self) -> None:
         while self.step():

@@ -18,13 +18,20 @@ MAX_I32 = 2**31 - 1
 
 
 class GuestMemory:
-    """`locate()` returns (base address, size in bytes) of the memory as it is now."""
+    """A view of guest memory for the span of one host call (memory cannot grow while the
+    guest is inside a host call). `locate()` returns (base address, size in bytes); it is
+    asked once, on the first access, since asking costs a few ctypes calls."""
 
     def __init__(self, locate: Callable[[], tuple[int, int]]):
         self._locate = locate
+        self._where: tuple[int, int] | None = None
 
     def _check(self, ptr: int, length: int) -> int:
-        base, size = self._locate()
+        if ptr == 0 and length == 0:
+            return 0  # an empty buffer at NULL: nothing to locate
+        if self._where is None:
+            self._where = self._locate()
+        base, size = self._where
         if not (0 <= ptr <= MAX_I32 and 0 <= length <= MAX_I32 and ptr + length <= size):
             raise BadPointer(f"guest range [{ptr}, {ptr}+{length}) is outside memory of {size} bytes")
         return base + ptr
@@ -36,7 +43,8 @@ class GuestMemory:
 
     @property
     def size(self) -> int:
-        return self._locate()[1]
+        self._check(0, 0)
+        return self._where[1]
 
     def read(self, ptr: int, length: int) -> bytes:
         address = self._check(ptr, length)

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 import struct
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from .errors import (BadHandle, BufferTooSmall, ErrorCode, InputClosed, InvalidArgument, LimitExceeded,
                      SymphonyError)
 from .guest_memory import GuestMemory
-from .sampling import Distribution, Sample, TopK, Want
+from .pred_future import PredFuture
+from .sampling import GREEDY, Distribution, Sample, TopK, Want
 
 if TYPE_CHECKING:
     from .process import Process
@@ -38,13 +38,13 @@ class Block:
     gives the i32 result, writing outputs into guest memory on the process's own thread."""
 
     state: str
-    future: Future | None
+    future: PredFuture | None
     finish: Callable[[GuestMemory], int]
 
 
 @dataclass
 class Ticket:
-    future: Future
+    future: PredFuture
     want: Want
 
 
@@ -184,7 +184,7 @@ class HostCalls:
         elif kind == KIND_TOPK:
             want = TopK(arg)
         elif kind == KIND_SAMPLE:
-            want = self._read_sampling(mem, arg) if arg else Sample()
+            want = self._read_sampling(mem, arg) if arg else GREEDY
         else:
             raise InvalidArgument(f"pred kind must be 0 (distribution), 1 (top-k) or 2 (sample), got {kind}")
         future = self.engine.submit(self.kv, kv, tokens, positions, want)

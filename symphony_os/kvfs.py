@@ -92,7 +92,7 @@ class KvFile:
 
     __slots__ = (
         "file_id", "name", "owner", "pages", "length", "runs", "refs", "inflight",
-        "hints", "last_used", "shared_with",
+        "hints", "last_used", "shared_with", "host_pages",
     )
 
     def __init__(self, file_id: int, owner: str, name: str | None, now: float):
@@ -100,6 +100,7 @@ class KvFile:
         self.name = name
         self.owner = owner
         self.pages: list[int | HostPage] = []
+        self.host_pages = 0  # entries of `pages` swapped out to host memory
         self.length = 0
         # Position runs: (first token index, its position); a run continues +1 per token
         # until the next run starts. One run per merge part, so this stays tiny.
@@ -131,7 +132,7 @@ class KvFile:
 
     @property
     def resident(self) -> bool:
-        return not any(isinstance(page, HostPage) for page in self.pages)
+        return self.host_pages == 0
 
 
 @dataclass
@@ -231,6 +232,7 @@ class KVFS:
             for i, page in enumerate(file.pages):
                 if isinstance(page, HostPage):
                     file.pages[i] = self.pool.swap_in(page)
+                    file.host_pages -= 1
 
     @contextlib.contextmanager
     def protect(self, files: list[KvFile]) -> Iterator[None]:
@@ -271,12 +273,15 @@ class KVFS:
         last page copied first) and return their flat slot indices."""
         self.ensure_resident(file)
         page_size = self.pool.page_size
-        with self.protect([file]):
-            if file.length % page_size and self.pool.refcount[file.pages[-1]] > 1:
+        copy_last = bool(file.length % page_size) and self.pool.refcount[file.pages[-1]] > 1
+        needed = -(-(file.length + n) // page_size) - len(file.pages)
+        # Only an allocation that may reclaim (evict or swap) needs the file protected.
+        guard = self.protect([file]) if needed + copy_last > self.pool.free_pages else contextlib.nullcontext()
+        with guard:
+            if copy_last:
                 old = file.pages[-1]
                 file.pages[-1] = self.pool.copy_page(old)
                 self.pool.decref([old])
-            needed = -(-(file.length + n) // page_size) - len(file.pages)
             file.pages.extend(self.pool.allocate(needed))
         slots = [
             file.pages[i // page_size] * page_size + i % page_size
@@ -300,7 +305,9 @@ class KVFS:
         with self.protect([src, dst]):
             if start % page_size == 0 and dst.length % page_size == 0:
                 first, last = start // page_size, -(-end // page_size)
-                dst.pages.extend(self._share_pages(src.pages[first:last]))
+                shared = self._share_pages(src.pages[first:last])
+                dst.pages.extend(shared)
+                dst.host_pages += sum(isinstance(p, HostPage) for p in shared)
                 base = dst.length
                 dst.runs += [(base + i, p) for i, p in src.runs_between(start, end)]
                 dst.length += end - start
@@ -326,7 +333,9 @@ class KVFS:
     def shrink(self, file: KvFile, length: int) -> None:
         """Cut the file to its first `length` tokens, freeing whole pages past them."""
         keep_pages = -(-length // self.pool.page_size)
-        self._drop_pages(file.pages[keep_pages:])
+        dropped = file.pages[keep_pages:]
+        file.host_pages -= sum(isinstance(p, HostPage) for p in dropped)
+        self._drop_pages(dropped)
         del file.pages[keep_pages:]
         file.runs = [(i, p) for i, p in file.runs if i < length]
         file.length = length
@@ -365,6 +374,7 @@ class KVFS:
                     return
                 if not isinstance(page, HostPage) and self.pool.refcount[page] == 1:
                     file.pages[i] = self.pool.swap_out(page)
+                    file.host_pages += 1
                     self.swapped_out_pages += 1
 
     def stat_file(self, file: KvFile) -> FileStat:

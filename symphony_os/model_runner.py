@@ -1,5 +1,6 @@
 """Turns a batch of prepared sequences (plain lists) into tensors, runs the model over the paged
-pool, and returns the logits of the rows that need a next-token distribution."""
+pool, and returns the logits of the rows that need a next-token distribution. On CUDA, decode
+batches replay captured graphs (`cuda_graph.py`); everything else runs eagerly."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +9,7 @@ from itertools import accumulate
 import torch
 
 from .attention import AttentionMetadata
+from .cuda_graph import DecodeGraphs, graphs_enabled
 from .model import DecoderModel
 from .pool import KVPool
 
@@ -30,6 +32,7 @@ class ModelRunner:
         self.pool = pool
         self.backend = backend
         self.device = model.device
+        self.graphs = DecodeGraphs(model, pool, backend) if graphs_enabled(self.device, backend) else None
 
     def build_metadata(self, seqs: list[SequenceInput]) -> AttentionMetadata:
         device = self.device
@@ -52,6 +55,12 @@ class ModelRunner:
     def run(self, seqs: list[SequenceInput]) -> torch.Tensor:
         """Forward pass over all sequences; float32 logits [N, vocab] of the last token of each
         sequence with `wants_logits`, in order."""
+        if self.graphs is not None and self.graphs.fits(seqs):
+            return self.graphs.run(seqs)
+        return self.run_eager(seqs)
+
+    def run_eager(self, seqs: list[SequenceInput]) -> torch.Tensor:
+        """`run` without graphs."""
         meta = self.build_metadata(seqs)
         device = self.device
         input_ids = torch.tensor([t for s in seqs for t in s.tokens], dtype=torch.int64, device=device)

@@ -141,33 +141,31 @@ class Process:
     def finished(self) -> bool:
         return self.state in (ProcessState.EXITED, ProcessState.KILLED)
 
-    def ready_to_resume(self) -> bool:
-        """May `advance` make progress now? (A wake-up may be early or repeated.)"""
+    def advance(self) -> str:
+        """Run the guest until it blocks, yields or ends. Returns "waiting" (blocked, or not
+        ready yet), "preempted" (its time slice ended: still runnable), "continue" (it will
+        run on at once: instantiation done) or "ended"."""
         if self.finished:
-            return False
-        if self._kill_reason is not None or self._blocked is None:
-            return True
-        block = self._blocked[0]
-        return block.future.done() if block.future is not None else self.input_ready()
-
-    def advance(self) -> bool:
-        """Run the guest until it blocks, yields or ends. Returns True while it is runnable
-        (it yielded its time slice), False when it waits or has ended."""
-        if self.finished:
-            return False
+            return "ended"
         if self._kill_reason is not None:
             self._end(ProcessState.KILLED, EXIT_KILLED, self._kill_reason)
-            return False
+            return "ended"
         if self._blocked is not None:
             block, pending, call = self._blocked
             if not (block.future.done() if block.future is not None else self.input_ready()):
-                return False
+                return "waiting"
             self._blocked = None
             pending.complete([block.finish(GuestMemory(call.memory_location))])
             self.state = ProcessState.RUNNABLE
+            # The first poll after a host call completes only finishes that call and returns
+            # (measured: once per resume); the second runs the guest on.
+            self._fiber.poll()
         fiber = self._fiber
-        if not fiber.poll():
-            return self._blocked is None
+        if not fiber.done and not fiber.poll():
+            if self._blocked is not None:
+                return "waiting"
+            # Async instantiation also returns to the poller before it is done.
+            return "continue" if self._instantiating else "preempted"
         if fiber.exit_code is not None:
             self._end(ProcessState.EXITED, fiber.exit_code, f"exit {fiber.exit_code}")
         elif fiber.trap is not None:
@@ -176,10 +174,10 @@ class Process:
             self._instantiating = False
             start = fiber.result[0].exports(self.store)["_start"]
             self._fiber = Fiber(self.store, start, owner=self)
-            return True
+            return "continue"
         else:
             self._end(ProcessState.EXITED, 0, "exit 0")
-        return False
+        return "ended"
 
     def _end(self, state: ProcessState, code: int, reason: str) -> None:
         if self._fiber is not None:

@@ -8,6 +8,7 @@ back on their worker's ready queue.
 """
 from __future__ import annotations
 
+import gc
 import threading
 from collections import deque
 from pathlib import Path
@@ -22,7 +23,8 @@ from .process import Process, ProcessLimits
 from .program import Program, load_program, load_program_file
 
 BLOCKING_CALLS = ("pred_wait", "recv")
-EPOCH_INTERVAL_S = 0.01  # one epoch tick: a guest's time slice is a multiple of this
+EPOCH_INTERVAL_S = 0.01
+DEFAULT_GC_THRESHOLD = gc.get_threshold()  # one epoch tick: a guest's time slice is a multiple of this
 
 
 class Worker:
@@ -32,13 +34,19 @@ class Worker:
         self.index = index
         self.driver = driver
         self.processes: set[Process] = set()
-        self._ready: deque[Process] = deque()
-        self._queued: set[int] = set()
+        self._ready: dict[int, tuple[Process, bool]] = {}  # pid -> (process, preempted)
+        self._urgent = 0  # queued processes that were not merely preempted
         self._cond = threading.Condition()
         self._stopping = False
-        self.rounds = 0
-        self.idle = True
+        self._round_urgent = False
         self.thread = threading.Thread(target=self._loop, name=f"symphony-worker-{index}", daemon=True)
+
+    @property
+    def holds_batch(self) -> bool:
+        """Are there processes the next batch should wait for: woken (a pred done, a message,
+        a kill) or just started, queued or being polled now? Preempted guests, which only
+        compute, hold nothing back."""
+        return self._urgent > 0 or self._round_urgent
 
     def add(self, process: Process) -> None:
         process.wake = self.wake
@@ -46,36 +54,46 @@ class Worker:
             self.processes.add(process)
         self.wake(process)
 
-    def wake(self, process: Process) -> None:
-        """Queue `process` for this worker's next round (any thread)."""
+    def wake(self, process: Process, preempted: bool = False) -> None:
+        """Queue `process` for this worker's next round (any thread). Wake-ups from the batch
+        driver (completed preds) are only queued: the driver starts the next round once it has
+        delivered all of them, so one round takes every process the batch released."""
         with self._cond:
-            if process.pid not in self._queued:
-                self._queued.add(process.pid)
-                self._ready.append(process)
-                self.idle = False
+            queued = self._ready.get(process.pid)
+            if queued is None or (queued[1] and not preempted):
+                self._urgent += (not preempted) - (queued is not None and not queued[1])
+                self._ready[process.pid] = (process, preempted)
+            if threading.current_thread() is not self.driver.thread:
+                self._cond.notify()
+
+    def kick(self) -> None:
+        """Start a round if anything is queued (after the driver delivered a batch)."""
+        with self._cond:
+            if self._ready:
                 self._cond.notify()
 
     def _loop(self) -> None:
         while True:
             with self._cond:
                 while not self._ready and not self._stopping:
-                    self.idle = True
                     self._cond.wait()
                 if self._stopping:
                     return
-                batch = list(self._ready)
+                batch = list(self._ready.values())
                 self._ready.clear()
-                self._queued.clear()
-            for process in batch:
-                if process.ready_to_resume() and process.advance():
-                    self.wake(process)  # it yielded its slice: run it again next round
-                if process.finished:
+                self._round_urgent = self._urgent > 0
+                self._urgent = 0
+            for process, _ in batch:
+                outcome = process.advance()
+                if outcome == "preempted":
+                    self.wake(process, preempted=True)
+                elif outcome == "continue":
+                    self.wake(process)
+                elif outcome == "ended":
                     with self._cond:
                         self.processes.discard(process)
             with self._cond:
-                self.rounds += 1
-                if not self._ready:
-                    self.idle = True
+                self._round_urgent = False
             self.driver.round_done()
 
     def stop(self) -> None:
@@ -85,9 +103,9 @@ class Worker:
 
 
 class BatchDriver:
-    """Runs `engine.step()` once every worker is idle or has finished a round since the last
-    batch: the preds submitted during a round land in one batch, and a busy worker (a guest
-    computing) cannot hold batches back for longer than one round."""
+    """Runs `engine.step()` once no worker holds the batch back (see `Worker.holds_batch`):
+    the preds of every process a batch released land together in the next batch, and guests
+    that only compute never delay one."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -100,22 +118,19 @@ class BatchDriver:
         with self._cond:
             self._cond.notify()
 
-    def notify(self) -> None:
-        self.round_done()
+    def _ready_to_step(self) -> bool:
+        return bool(len(self.engine.scheduler)) and not any(w.holds_batch for w in self.workers)
 
     def _loop(self) -> None:
-        seen = [0] * len(self.workers)
         while True:
             with self._cond:
-                while not self._stopping and not (
-                    len(self.engine.scheduler)
-                    and all(w.idle or w.rounds > seen[i] for i, w in enumerate(self.workers))
-                ):
+                while not self._stopping and not self._ready_to_step():
                     self._cond.wait(timeout=0.05)
                 if self._stopping:
                     return
-                seen = [w.rounds for w in self.workers]
             self.engine.step()
+            for worker in self.workers:
+                worker.kick()
 
     def stop(self) -> None:
         with self._cond:
@@ -132,6 +147,22 @@ def _handler(name: str, blocking: bool):
         return Ready([outcome]) if blocking else [outcome]
 
     return handle
+
+
+def tune_gc() -> None:
+    """Keep Python's cyclic GC off the hot path. Everything loaded so far (torch, transformers,
+    the model: ~340k objects, 240 ms per full collection here) is frozen out of collections,
+    and young collections run less often. Measured with 256 processes: GC took 320 ms of a
+    1.07 s run (139 us per process per round), 60 ms after freezing."""
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)
+
+
+def untune_gc() -> None:
+    """Undo tune_gc (frozen objects are never collected, not even at exit, where some
+    extension modules then report leaks)."""
+    gc.unfreeze()
+    gc.set_threshold(*DEFAULT_GC_THRESHOLD)
 
 
 class Runtime:
@@ -162,6 +193,7 @@ class Runtime:
     def start(self) -> "Runtime":
         if not self._started:
             self._started = True
+            tune_gc()
             self._ticker.start()
             for worker in self.workers:
                 worker.thread.start()
@@ -183,6 +215,7 @@ class Runtime:
             self.driver.thread.join()
             self._ticker.stop()
             self._started = False
+            untune_gc()
 
     def __enter__(self) -> "Runtime":
         return self.start()

@@ -1,18 +1,27 @@
-"""What a `pred` call returns, and the host-side logits processing that produces it.
+"""What a `pred` call returns, and the logits processing that produces it.
 
 A request asks for one of three things (the `want` of a `PredRequest`):
 - `Distribution()`: the full next-token probability distribution (the paper's semantics);
 - `TopK(k)`: the k most likely ids with their log-probabilities;
-- `Sample(...)`: one token chosen on the host (greedy when temperature is 0), after logit bias,
-  an allowed-token mask, temperature, top-k and top-p.
+- `Sample(...)`: one token (greedy when temperature is 0), after logit bias, an allowed-token
+  mask, temperature, top-k and top-p.
+
+`process_logits` answers a batch: on CUDA with batched kernels on the device
+(`process_logits_batched`), elsewhere row by row on the host (`process_logits_reference`, the
+definition the device path is tested against).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .errors import InvalidArgument
+
+# TopK rows up to this k take the sampling kernel's top log-probs (one pass over the row per
+# rank); beyond it, torch.topk's radix select costs less.
+KERNEL_MAX_TOP_K = 32
 
 
 @dataclass(frozen=True)
@@ -29,10 +38,11 @@ class TopK:
 
 @dataclass(frozen=True)
 class Sample:
-    """Choose one token on the host.
+    """Choose one token.
 
     temperature 0 is greedy (argmax). `seed` makes this one draw reproducible (a LIP that wants
-    a reproducible sequence passes seed + step). `logit_bias` maps token id -> value added to
+    a reproducible sequence passes seed + step); the draw for a seed differs between the host
+    and the device path, each is deterministic. `logit_bias` maps token id -> value added to
     its logit; `allowed_tokens` restricts the choice to those ids (constrained decoding).
     """
 
@@ -45,21 +55,32 @@ class Sample:
 
 
 Want = Distribution | TopK | Sample
+GREEDY = Sample()  # the default: shared, since building a Sample costs more than using one
 
 
 @dataclass
 class PredResult:
-    """The answer to one `pred` request; only the fields its `want` asked for are set."""
+    """The answer to one `pred` request; only the fields its `want` asked for are set.
+
+    A distribution computed on a GPU stays there (`distribution`) until `probs` is read.
+    """
 
     token: int | None = None
-    probs: torch.Tensor | None = None
     top_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
+    distribution: torch.Tensor | None = None
+
+    @property
+    def probs(self) -> torch.Tensor | None:
+        """The distribution as a float32 CPU tensor (copied from the device on first read)."""
+        if self.distribution is not None and self.distribution.device.type != "cpu":
+            self.distribution = self.distribution.cpu()
+        return self.distribution
 
 
 def validate_want(want: Want, vocab_size: int) -> None:
     """Raise InvalidArgument for a request that cannot be served."""
-    if isinstance(want, Distribution):
+    if want is GREEDY or isinstance(want, Distribution):
         return
     if isinstance(want, TopK):
         if not 1 <= want.k <= vocab_size:
@@ -79,6 +100,16 @@ def validate_want(want: Want, vocab_size: int) -> None:
     if want.allowed_tokens is not None and not want.allowed_tokens:
         raise InvalidArgument("allowed_tokens must not be empty")
 
+
+def process_logits(logits: torch.Tensor, wants: list[Want], default_generator: torch.Generator) -> list[PredResult]:
+    """logits [N, V] float32 (one row per request) -> one PredResult per request. Unseeded
+    draws take their randomness from `default_generator`."""
+    if logits.is_cuda:
+        return process_logits_batched(logits, wants, default_generator)
+    return process_logits_reference(logits, wants, default_generator)
+
+
+# ---- the host reference ----
 
 def _sample_row(logits: torch.Tensor, want: Sample, generator: torch.Generator) -> int:
     if want.logit_bias:
@@ -104,13 +135,14 @@ def _sample_row(logits: torch.Tensor, want: Sample, generator: torch.Generator) 
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
-def process_logits(logits: torch.Tensor, wants: list[Want], default_generator: torch.Generator) -> list[PredResult]:
-    """logits [N, V] float32 (one row per request) -> one PredResult per request."""
+def process_logits_reference(logits: torch.Tensor, wants: list[Want],
+                             default_generator: torch.Generator) -> list[PredResult]:
+    """Row by row on the host, with torch's own ops; seeded draws use torch.Generator(seed)."""
     results: list[PredResult] = []
     log_probs = greedy = None
     for row, want in enumerate(wants):
         if isinstance(want, Distribution):
-            results.append(PredResult(probs=torch.softmax(logits[row], dim=-1).cpu()))
+            results.append(PredResult(distribution=torch.softmax(logits[row], dim=-1).cpu()))
         elif isinstance(want, TopK):
             if log_probs is None:
                 log_probs = torch.log_softmax(logits, dim=-1)
@@ -125,4 +157,118 @@ def process_logits(logits: torch.Tensor, wants: list[Want], default_generator: t
             if want.seed is not None:
                 generator = torch.Generator().manual_seed(want.seed)
             results.append(PredResult(token=_sample_row(logits[row], want, generator)))
+    return results
+
+
+# ---- batched, on the device ----
+
+def _upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list or array on `device`; to a GPU through pinned memory, without a sync."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits[rows]: a slice when the rows are consecutive (the usual, homogeneous batch)."""
+    if rows[-1] - rows[0] == len(rows) - 1:
+        return logits[rows[0]:rows[-1] + 1]
+    return logits.index_select(0, _upload(rows, torch.int64, logits.device))
+
+
+def _as_int64(seed: int) -> int:
+    """Any seed torch.Generator.manual_seed takes, folded one-to-one into int64."""
+    return (seed + 2**63) % 2**64 - 2**63
+
+
+def _allowed_bitmask(wants: list[Sample], vocab_size: int) -> np.ndarray:
+    """int32 [rows, ceil(V / 32)]: bit j % 32 of word j // 32 set when token j is allowed."""
+    words = np.full((len(wants), -(-vocab_size // 32)), 0xFFFFFFFF, dtype=np.uint32)
+    for row, want in enumerate(wants):
+        if want.allowed_tokens is not None:
+            ids = np.asarray(want.allowed_tokens, dtype=np.int64)
+            words[row] = 0
+            np.bitwise_or.at(words[row], ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+    return words.view(np.int32)
+
+
+def _sample_rows(logits: torch.Tensor, wants: list[Sample], default_generator: torch.Generator):
+    """Token ids [rows] of the Sample rows, drawn by one call of the sampling kernel."""
+    from .kernels.sampling import sample  # imports triton: only where a batch needs it
+
+    device = logits.device
+    unseeded = [row for row, want in enumerate(wants) if want.seed is None]
+    seeds = [_as_int64(want.seed) if want.seed is not None else 0 for want in wants]
+    if unseeded:
+        for row, seed in zip(unseeded, torch.randint(0, 2**63 - 1, (len(unseeded),), generator=default_generator).tolist()):
+            seeds[row] = seed
+    kwargs = {}
+    num_bias = max(len(want.logit_bias) for want in wants)
+    if num_bias:
+        bias_ids = np.full((len(wants), num_bias), -1, dtype=np.int64)
+        bias_values = np.zeros((len(wants), num_bias), dtype=np.float32)
+        for row, want in enumerate(wants):
+            bias_ids[row, :len(want.logit_bias)] = list(want.logit_bias)
+            bias_values[row, :len(want.logit_bias)] = list(want.logit_bias.values())
+        kwargs.update(bias_ids=_upload(bias_ids, torch.int64, device),
+                      bias_values=_upload(bias_values, torch.float32, device))
+    if any(want.allowed_tokens is not None for want in wants):
+        kwargs["allowed"] = _upload(_allowed_bitmask(wants, logits.shape[1]), torch.int32, device)
+    floats = _upload([[w.temperature for w in wants], [w.top_p for w in wants]], torch.float32, device)
+    ints = _upload([[w.top_k for w in wants], seeds], torch.int64, device)
+    return sample(logits, floats[0], ints[0], floats[1], ints[1], **kwargs).token_ids
+
+
+def _top_k_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, log-probs) [rows, k], most likely first, ties to the lower id."""
+    if k > KERNEL_MAX_TOP_K:
+        values, ids = torch.log_softmax(logits, dim=-1).topk(k)
+        return ids, values
+    from .kernels.sampling import sample
+
+    rows, device = logits.shape[0], logits.device
+    zeros = torch.zeros(rows, dtype=torch.int64, device=device)
+    out = sample(logits, zeros.float(), zeros, torch.ones(rows, device=device), zeros, num_logprobs=k)
+    return out.topk_ids, out.topk_logprobs
+
+
+def process_logits_batched(logits: torch.Tensor, wants: list[Want],
+                           default_generator: torch.Generator) -> list[PredResult]:
+    """The same answers from batched work on logits' device: one Triton `sample` call for the
+    Sample rows, one top-k pass for the TopK rows, one softmax for the Distribution rows, then
+    a single device-to-host copy of every token and top-k list. Greedy tokens and top-k lists
+    equal the reference's (ties to the lower id); seeded draws come from the kernel's Philox
+    stream instead of torch.Generator. On CPU tensors this needs TRITON_INTERPRET=1 (tests)."""
+    results = [PredResult() for _ in wants]
+    rows_of: dict[type, list[int]] = {Distribution: [], TopK: [], Sample: []}
+    for row, want in enumerate(wants):
+        rows_of[type(want)].append(row)
+
+    if rows_of[Distribution]:
+        probs = torch.softmax(_rows(logits, rows_of[Distribution]), dim=-1)
+        for i, row in enumerate(rows_of[Distribution]):
+            results[row].distribution = probs[i]
+
+    # Everything the host needs goes back in one float64 tensor (ids < 2**53 are exact).
+    parts: list[torch.Tensor] = []
+    if rows_of[Sample]:
+        parts.append(_sample_rows(_rows(logits, rows_of[Sample]), [wants[r] for r in rows_of[Sample]],
+                                  default_generator))
+    max_k = max((wants[r].k for r in rows_of[TopK]), default=0)
+    if max_k:
+        parts.extend(_top_k_rows(_rows(logits, rows_of[TopK]), max_k))
+    if not parts:
+        return results
+    host = torch.cat([part.reshape(-1).double() for part in parts]).cpu().tolist()
+
+    tokens = host[:len(rows_of[Sample])]
+    for row, token in zip(rows_of[Sample], tokens):
+        results[row].token = int(token)
+    top = len(tokens)
+    ids_at, logprobs_at = top, top + len(rows_of[TopK]) * max_k
+    for i, row in enumerate(rows_of[TopK]):
+        k = wants[row].k
+        results[row].top_ids = [int(t) for t in host[ids_at + i * max_k:ids_at + i * max_k + k]]
+        results[row].top_logprobs = host[logprobs_at + i * max_k:logprobs_at + i * max_k + k]
     return results

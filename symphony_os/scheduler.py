@@ -8,11 +8,10 @@ request per batch, in arrival order, so writes to one file never race.
 from __future__ import annotations
 
 import time
-from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from .kvfs import KvFile
+from .pred_future import PredFuture
 from .sampling import Want
 
 
@@ -27,7 +26,7 @@ class PredRequest:
     tokens: list[int]
     positions: list[int] | None
     want: Want
-    future: Future = field(default_factory=Future)
+    future: PredFuture = field(default_factory=PredFuture)
     submitted_at: float = field(default_factory=time.perf_counter)
     done: int = 0  # tokens already appended by earlier chunks
     length_before: int | None = None  # the file's length when the first chunk ran (for rollback)
@@ -68,13 +67,14 @@ class BatchScheduler:
             raise ValueError("token_budget and max_batch_size must be positive")
         self.token_budget = token_budget
         self.max_batch_size = max_batch_size
-        self.waiting: deque[PredRequest] = deque()
+        # Insertion-ordered: arrival order for planning, O(1) removal when a request finishes.
+        self.waiting: dict[int, PredRequest] = {}
 
     def add(self, request: PredRequest) -> None:
-        self.waiting.append(request)
+        self.waiting[id(request)] = request
 
     def remove(self, request: PredRequest) -> None:
-        self.waiting.remove(request)
+        del self.waiting[id(request)]
 
     def __len__(self) -> int:
         return len(self.waiting)
@@ -89,7 +89,7 @@ class BatchScheduler:
         for decode_pass in (True, False):
             # A file whose earlier request is skipped in this pass takes no later one (order).
             skipped_files: set[int] = set()
-            for request in self.waiting:
+            for request in self.waiting.values():
                 if budget == 0 or len(chunks) == self.max_batch_size:
                     break
                 file_id = request.file.file_id

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from symphony_os.random_model import build_random_model
+
 if not torch.cuda.is_available():
     # Triton reads this when a kernel is decorated: set it before any test imports one, so the
     # kernels run in Triton's CPU interpreter.
@@ -23,36 +25,14 @@ def stories_path() -> Path:
     return SHARED_MODEL
 
 
-def _word_tokenizer(vocab_size: int):
-    """A real fast tokenizer over words 'w0'..'wN' (enough to round-trip ids)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-
-
 TINY_SHAPES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
 def build_hf_model(directory: Path, model_type: str, seed: int = 0, **overrides) -> Path:
-    """Save a random model of `model_type` with a tokenizer into `directory`; returns it."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    shape = {**TINY_SHAPES, **overrides}
-    config = AutoConfig.for_model(model_type, bos_token_id=1, eos_token_id=2, **shape)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # random init is tiny; larger weights make logit errors visible
-        for param in model.parameters():
-            param.normal_(0, 0.2)
-    model.save_pretrained(directory)
-    _word_tokenizer(shape["vocab_size"]).save_pretrained(directory)
-    return directory
+    """Save a random model of `model_type` with a tokenizer into `directory`; returns it.
+    Weights are N(0, 0.2): larger than the default init, so logit errors show."""
+    return build_random_model(directory, model_type, seed=seed, init_std=0.2, **{**TINY_SHAPES, **overrides})
 
 
 @pytest.fixture(scope="session")

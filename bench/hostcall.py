@@ -1,0 +1,182 @@
+"""The cost of running generation as LIP processes instead of Python calls.
+
+1. Null model (no forward pass: the runner returns zero logits at once): the per-process cost
+   of one suspend / batch / resume round, at 16, 256 and 1024 processes. Each process is a
+   WAT guest doing one `pred_submit` + `pred_wait` per round.
+2. Real model (the 50M-parameter random Llama of bench/engine.py): tokens/s of `hello`
+   processes (lips/hello.c: full distribution to the guest, argmax and detokenize there) against
+   the engine's Python API (host greedy) at the same batch sizes; outputs must match.
+
+    python bench/hostcall.py [--quick]
+
+Prints a table and writes bench/results/hostcall.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import wasmtime
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from engine import BENCH_SHAPE  # noqa: E402  (bench/engine.py)
+
+from symphony_os.engine import Engine  # noqa: E402
+from symphony_os.random_model import build_random_model  # noqa: E402
+from symphony_os.runtime import Runtime  # noqa: E402
+from symphony_os.sampling import Sample  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+
+ROUNDS_GUEST = """(module
+  (import "symphony" "kv_create" (func $kv_create (result i32)))
+  (import "symphony" "pred_submit" (func $submit (param i32 i32 i32 i32 i32 i32) (result i32)))
+  (import "symphony" "pred_wait" (func $wait (param i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 16) "\\05\\00\\00\\00")
+  (func (export "_start") (local $kv i32) (local $i i32)
+    (local.set $kv (call $kv_create))
+    (loop $round
+      (drop (call $wait (call $submit (local.get $kv) (i32.const 16) (i32.const 0) (i32.const 1)
+                                      (i32.const 2) (i32.const 0)) (i32.const 0) (i32.const 0)))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br_if $round (i32.lt_s (local.get $i) (i32.const ROUNDS))))))"""
+
+
+class NullRunner:
+    """Stands in for the model runner: zero logits, no forward pass."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def run(self, seqs):
+        return torch.zeros(sum(s.wants_logits for s in seqs), self.vocab_size)
+
+
+def _run_rounds(model_dir: Path, processes: int, rounds: int) -> tuple[float, Engine]:
+    engine = Engine.from_path(model_dir, device="cpu", page_size=16,
+                              num_pages=processes * (rounds // 16 + 2) + 16, max_batch_size=4096, token_budget=8192)
+    engine.runner = NullRunner(engine.loaded.config.vocab_size)
+    with Runtime(engine) as runtime:
+        program = runtime.load(wasmtime.wat2wasm(ROUNDS_GUEST.replace("ROUNDS", str(rounds))), "rounds")
+        started = time.perf_counter()
+        procs = [runtime.spawn(program) for _ in range(processes)]
+        for proc in procs:
+            assert runtime.wait(proc, 600) == 0, proc.end_reason
+        return time.perf_counter() - started, engine
+
+
+def null_model_rounds(model_dir: Path, processes: int, rounds: int) -> dict:
+    """Runs of `rounds` and `2 * rounds` rounds: their difference is the cost of `rounds`
+    rounds alone, without spawning and instantiating the processes."""
+    short, _ = _run_rounds(model_dir, processes, rounds)
+    long, engine = _run_rounds(model_dir, processes, 2 * rounds)
+    stats = engine.stats()
+    return dict(processes=processes, rounds=rounds, spawn_and_first_rounds_s=short, seconds=long - short,
+                us_per_process_round=1e6 * (long - short) / (processes * rounds),
+                batches=stats.batches, mean_batch_size=stats.mean_batch_size)
+
+
+def api_decode(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+    kv = engine.session()
+    handles = [kv.create() for _ in prompts]
+    feeds, out, live = [list(p) for p in prompts], [[] for _ in prompts], set(range(len(prompts)))
+    eos = set(engine.loaded.eos_token_ids)
+    started = time.perf_counter()
+    for _ in range(new_tokens):
+        futures = {i: engine.submit(kv, handles[i], feeds[i], want=Sample()) for i in live}
+        engine.run_until_idle()
+        for i, fut in futures.items():
+            token = fut.result().token
+            if token in eos:
+                live.discard(i)
+            else:
+                out[i].append(token)
+                feeds[i] = [token]
+        if not live:
+            break
+    elapsed = time.perf_counter() - started
+    kv.close_all()
+    return elapsed, out
+
+
+def lip_decode(engine: Engine, hello: Path, prompts: list[str], new_tokens: int) -> tuple[float, list[str]]:
+    with Runtime(engine) as runtime:
+        program = runtime.load(hello)
+        outputs = [[] for _ in prompts]
+        started = time.perf_counter()
+        procs = [runtime.spawn(program, [p, str(new_tokens)], on_output=outputs[i].append)
+                 for i, p in enumerate(prompts)]
+        for proc in procs:
+            assert runtime.wait(proc, 3600) == 0, proc.end_reason
+        elapsed = time.perf_counter() - started
+    return elapsed, [b"".join(o).decode() for o in outputs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and tokens")
+    args = parser.parse_args()
+    rounds = 10 if args.quick else 30
+    new_tokens = 16 if args.quick else 48
+    hello = ROOT / "lips" / "hello.wasm"
+    if not hello.exists():
+        subprocess.run(["make", "-C", str(ROOT), "lips"], check=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = build_random_model(Path(tmp) / "tiny", vocab_size=256, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+        null_rows = [null_model_rounds(tiny, n, rounds) for n in (16, 256, 1024)]
+        for row in null_rows:
+            print(f"null model, {row['processes']:>5} processes: {row['us_per_process_round']:.1f} us per process "
+                  f"per round (mean batch {row['mean_batch_size']:.0f})", flush=True)
+
+        model_dir = build_random_model(Path(tmp) / "bench", seed=0, **BENCH_SHAPE)
+        engine = Engine.from_path(model_dir, device="cpu", page_size=16, num_pages=4096, token_budget=4096)
+        real_rows = []
+        for batch in (1, 8, 32):
+            torch.manual_seed(batch)
+            id_prompts = [torch.randint(3, BENCH_SHAPE["vocab_size"], (32,)).tolist() for _ in range(batch)]
+            text_prompts = [engine.detokenize(p) for p in id_prompts]
+            ids = [engine.tokenize(t) for t in text_prompts]  # as hello tokenizes them (with BOS)
+            api_decode(engine, ids, 2)  # warm up both paths at this batch size
+            lip_decode(engine, hello, text_prompts, 2)
+            api_s, api_out = api_decode(engine, ids, new_tokens)
+            lip_s, lip_out = lip_decode(engine, hello, text_prompts, new_tokens)
+            same = sum(lip == engine.detokenize(p + o) + "\n" for lip, p, o in zip(lip_out, ids, api_out))
+            tokens = sum(len(o) for o in api_out)
+            row = dict(batch=batch, tokens=tokens, api_tok_s=tokens / api_s, lip_tok_s=tokens / lip_s,
+                       ratio=api_s / lip_s, identical_outputs=f"{same}/{batch}")
+            real_rows.append(row)
+            print(f"hello x{batch}: {row['lip_tok_s']:.1f} tok/s vs API {row['api_tok_s']:.1f} "
+                  f"({row['ratio']:.3f}), identical {row['identical_outputs']}", flush=True)
+
+    print("\nPer-process cost of one suspend/batch/resume round, null model (target <= 20 us at 1024)")
+    print(f"{'processes':>9} | {'us/process/round':>16} | {'mean batch':>10}")
+    for r in null_rows:
+        print(f"{r['processes']:>9} | {r['us_per_process_round']:>16.1f} | {r['mean_batch_size']:>10.0f}")
+    print(f"\nhello processes vs the engine's Python API, 50M random Llama, float32 CPU, {new_tokens} new tokens "
+          "(target ratio >= 0.95)")
+    print(f"{'batch':>5} | {'LIP tok/s':>9} | {'API tok/s':>9} | {'ratio':>5} | identical")
+    for r in real_rows:
+        print(f"{r['batch']:>5} | {r['lip_tok_s']:>9.1f} | {r['api_tok_s']:>9.1f} | {r['ratio']:>5.3f} | "
+              f"{r['identical_outputs']}")
+    RESULTS.mkdir(exist_ok=True)
+    out = dict(benchmark="hostcall", device="cpu", cpu=platform.processor() or platform.machine(),
+               torch_threads=torch.get_num_threads(), null_model=null_rows, hello_vs_api=real_rows,
+               quick=args.quick, when=time.strftime("%Y-%m-%d %H:%M:%S"))
+    (RESULTS / "hostcall.json").write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {RESULTS / 'hostcall.json'}")
+
+
+if __name__ == "__main__":
+    main()
