@@ -28,7 +28,8 @@ def test_generate_with_seed_is_reproducible(tiny_llama):
 
 
 def test_info_describes_model_and_pool(tiny_llama):
-    result = CliRunner().invoke(main, ["info", "--model", str(tiny_llama), "--kv-pages", "100", "--page-size", "8"])
+    result = CliRunner().invoke(main, ["info", "--model", str(tiny_llama), "--device", "cpu", "--kv-pages", "100",
+                                       "--page-size", "8"])
     assert result.exit_code == 0, result.output
     rows = {line[:28].strip(): line[28:].strip() for line in result.output.splitlines()}
     assert rows["attention backend"] == "torch"
