@@ -110,7 +110,8 @@ def api_decode(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tup
 
 
 def lip_decode(engine: Engine, hello: Path, prompts: list[str], new_tokens: int) -> tuple[float, list[str]]:
-    with Runtime(engine) as runtime:
+    # As `symphony run` does: batches run on this (the main) thread, inside wait().
+    with Runtime(engine, drive_in_caller=True) as runtime:
         program = runtime.load(hello)
         outputs = [[] for _ in prompts]
         started = time.perf_counter()

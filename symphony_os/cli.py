@@ -128,7 +128,7 @@ def run(program, args, model_path, device, dtype, attention, page_size, kv_pages
             raise click.BadParameter(f"{pair!r} is not NAME=VALUE", param_hint="--env")
         env[name] = value
     engine = _make_engine(model_path, device, dtype, attention, page_size, kv_pages)
-    with Runtime(engine) as runtime:
+    with Runtime(engine, drive_in_caller=True) as runtime:
         try:
             prog = runtime.load(program)
         except ProgramError as error:

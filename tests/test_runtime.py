@@ -159,8 +159,9 @@ def test_64_concurrent_hellos_print_what_they_print_alone(stories_engine):
 SPIN = wat('(module (memory (export "memory") 1) (func (export "_start") (loop $l (br $l))))')
 
 
-def test_infinite_loop_is_preempted_and_kill_stops_it(stories_engine):
-    with Runtime(stories_engine) as runtime:
+@pytest.mark.parametrize("drive_in_caller", [False, True])
+def test_infinite_loop_is_preempted_and_kill_stops_it(stories_engine, drive_in_caller):
+    with Runtime(stories_engine, drive_in_caller=drive_in_caller) as runtime:
         spinner = runtime.spawn(runtime.load(SPIN, "spin"))
         out, _, _ = run_lip(runtime, "hello", ["Once upon a time", "10"])
         assert out == hello_via_api(stories_engine, "Once upon a time", 10)
@@ -183,7 +184,8 @@ def test_kill_while_blocked_on_recv(tiny_engine):
         assert runtime.wait(proc, 10) == EXIT_KILLED
 
 
-def test_recv_gets_messages_and_closed(tiny_engine):
+@pytest.mark.parametrize("drive_in_caller", [False, True])
+def test_recv_gets_messages_and_closed(tiny_engine, drive_in_caller):
     echo = wat('''(module
       (import "symphony" "recv" (func $recv (param i32 i32) (result i32)))
       (import "symphony" "send" (func $send (param i32 i32) (result i32)))
@@ -196,7 +198,7 @@ def test_recv_gets_messages_and_closed(tiny_engine):
           (br_if $done (i32.lt_s (local.get $n) (i32.const 0)))
           (drop (call $send (i32.const 0) (local.get $n)))
           (br $next)))))''')
-    with Runtime(tiny_engine) as runtime:
+    with Runtime(tiny_engine, drive_in_caller=drive_in_caller) as runtime:
         out = []
         proc = runtime.spawn(runtime.load(echo, "echo"), on_output=out.append)
         for message in (b"hi", b"a longer message", b""):
