@@ -11,6 +11,8 @@ import struct
 from typing import Callable
 
 import torch
+import wasmtime
+from wasmtime._ffi import wasmtime_memory_data, wasmtime_memory_data_size
 
 from .errors import BadPointer
 
@@ -80,3 +82,15 @@ class GuestMemory:
         address = self._check(ptr, nbytes)
         if nbytes:
             ctypes.memmove(address, tensor.data_ptr(), nbytes)
+
+
+def memory_locator(store: wasmtime.Store, memory: wasmtime.Memory) -> Callable[[], tuple[int, int]]:
+    """A `locate` for a known memory export: two ctypes calls, instead of wasmtime-py's
+    `data_ptr`/`data_len` wrappers or a lookup of the export through the caller each time."""
+    context, handle = store._context(), ctypes.byref(memory._memory)
+
+    def locate() -> tuple[int, int]:
+        base = wasmtime_memory_data(context, handle)
+        return ctypes.cast(base, ctypes.c_void_p).value or 0, wasmtime_memory_data_size(context, handle)
+
+    return locate

@@ -12,7 +12,7 @@ from typing import Callable
 import wasmtime
 
 from .fiber import AsyncLinker, Fiber, HostCall, Pending, set_time_slice
-from .guest_memory import GuestMemory
+from .guest_memory import GuestMemory, memory_locator
 from .hostcalls import Block, HostCalls
 from .program import Program
 
@@ -78,6 +78,7 @@ class Process:
         set_time_slice(self.store, limits.time_slice_ticks)
         self._fiber: Fiber | None = linker.start_instantiate(self.store, program.module, owner=self)
         self._instantiating = True
+        self._memory: wasmtime.Memory | None = None  # the guest's memory, once instantiated
         self._blocked: tuple[Block, Pending, HostCall] | None = None
         self.wake: Callable[["Process"], None] = lambda process: None  # set by the worker
 
@@ -124,6 +125,13 @@ class Process:
 
     # ---- used by the host calls while the guest runs ----
 
+    def memory_for(self, call: HostCall) -> GuestMemory:
+        """Checked access to the calling guest's memory. After instantiation the memory export
+        is known, which saves looking it up through the caller on every host call."""
+        if self._memory is None:
+            return GuestMemory(call.memory_location)
+        return GuestMemory(memory_locator(self.store, self._memory))
+
     def block_on(self, block: Block, call: HostCall) -> Pending:
         """Suspend the guest until `block` can finish; the worker completes it later."""
         pending = Pending()
@@ -155,7 +163,7 @@ class Process:
             if not (block.future.done() if block.future is not None else self.input_ready()):
                 return "waiting"
             self._blocked = None
-            pending.complete([block.finish(GuestMemory(call.memory_location))])
+            pending.complete([block.finish(self.memory_for(call))])
             self.state = ProcessState.RUNNABLE
             # The first poll after a host call completes only finishes that call and returns
             # (measured: once per resume); the second runs the guest on.
@@ -172,7 +180,9 @@ class Process:
             self._end(ProcessState.KILLED, EXIT_TRAPPED, f"trapped: {fiber.trap}")
         elif self._instantiating:
             self._instantiating = False
-            start = fiber.result[0].exports(self.store)["_start"]
+            exports = fiber.result[0].exports(self.store)
+            self._memory = exports["memory"]
+            start = exports["_start"]
             self._fiber = Fiber(self.store, start, owner=self)
             return "continue"
         else:

@@ -18,7 +18,6 @@ import wasmtime
 
 from .engine import Engine
 from .fiber import AsyncLinker, EpochTicker, Pending, Ready, make_async_engine
-from .guest_memory import GuestMemory
 from .hostcalls import CALLS, HostCalls, Block
 from .process import Process, ProcessLimits
 from .program import Program, load_program, load_program_file
@@ -155,7 +154,7 @@ class BatchDriver:
 def _handler(name: str, blocking: bool):
     def handle(call, args):
         process: Process = call.fiber.owner
-        outcome = process.hostcalls.call(name, GuestMemory(call.memory_location), args)
+        outcome = process.hostcalls.call(name, process.memory_for(call), args)
         if isinstance(outcome, Block):
             return process.block_on(outcome, call)
         return Ready([outcome]) if blocking else [outcome]

@@ -156,3 +156,19 @@ def test_too_many_preds_in_flight_is_a_limit(tiny_engine, count):
     assert submitted == runtime.limits.preds_in_flight and last == E.LIMIT_EXCEEDED
     tiny_engine.run_until_idle()  # the abandoned preds finish and free their forks
     assert tiny_engine.pool.stats().used == 0
+
+
+def test_memory_that_grows_between_calls_is_seen_whole(tiny_engine):
+    module = wat('''(module
+      (import "symphony" "send" (func $send (param i32 i32) (result i32)))
+      (memory (export "memory") 1)
+      (func (export "_start")
+        (drop (call $send (i32.const 65530) (i32.const 100)))  ;; beyond one page: refused
+        (drop (memory.grow (i32.const 2)))
+        (i32.store (i32.const 131072) (i32.const 0x21656e6f))  ;; "one!" in the third page
+        (drop (call $send (i32.const 131072) (i32.const 4)))))''')
+    with Runtime(tiny_engine) as runtime:
+        out = []
+        proc = runtime.spawn(runtime.load(module, "grow"), on_output=out.append)
+        assert runtime.wait(proc, 30) == 0, proc.end_reason
+    assert out == [b"one!"]
