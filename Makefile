@@ -2,14 +2,26 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-MODEL ?= $(firstword $(wildcard ../shared/models/stories260K))
-PROMPT ?= Once upon a time
+# Empty: the bundled default model (symphony_os/default_model). Else a directory, .gguf or hub id.
+MODEL ?=
+PROMPT ?= import os\n\n\ndef list_files(path):\n
+MODEL_FLAG := $(if $(MODEL),--model $(MODEL))
 TORCH_PIN := torch==2.13.0
 
 LIPS := $(patsubst %.c,%.wasm,$(wildcard lips/*.c))
 ZIGCC := $(PY) -m ziglang cc --target=wasm32-wasi -O2 -s -I guest_sdk/c
+RUST_LIPS := $(patsubst %.rs,%.wasm,$(wildcard lips/rust/*.rs))
+AS_LIPS := $(patsubst %.ts,%.wasm,$(wildcard lips/as/*.ts))
+PY_LIPS := $(patsubst %.py,%.wasm,$(wildcard lips/python/*.py))
+COMPONENTIZE := $(VENV)/bin/componentize-py -d guest_sdk/python/wit -w lip-python componentize \
+	-p guest_sdk/python -p lips/python
+# Debian's rustc (1.63) with its wasm32-wasi standard library: std only, no crates.io.
+RUSTC := /usr/bin/rustc --edition 2021 --target wasm32-wasi -O -C strip=symbols
+ASC := guest_sdk/assemblyscript/node_modules/.bin/asc
+ASC_FLAGS := -O3 --runtime incremental --exportRuntime --exportStart _start \
+	--use abort=guest_sdk/assemblyscript/symphony/symphonyAbort
 
-.PHONY: install lips run generate test bench clean
+.PHONY: install lips rust-toolchain run generate test fuzz bench bench-quick bench-engine default-model clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,25 +33,62 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# Every C example in lips/, built with zig's wasm32-wasi clang (installed by pip as ziglang).
-lips: $(LIPS)
+# Every example in lips/: C with zig's wasm32-wasi clang (installed by pip as ziglang), Rust
+# (lips/rust/) with Debian's rustc, AssemblyScript (lips/as/) with asc from npm, Python
+# (lips/python/) with componentize-py.
+lips: $(LIPS) $(RUST_LIPS) $(AS_LIPS) $(PY_LIPS)
 
-lips/%.wasm: lips/%.c guest_sdk/c/symphony.h | $(VENV)/.installed
+lips/%.wasm: lips/%.c guest_sdk/c/symphony.h $(wildcard lips/*.h) | $(VENV)/.installed
 	$(ZIGCC) $< -o $@
 
+# apt-get only when /usr/bin/rustc cannot build wasm32-wasi yet.
+rust-toolchain:
+	@test -d /usr/lib/rustlib/wasm32-wasi || { apt-get update -q && apt-get install -y -q rustc libstd-rust-dev-wasm32; }
+
+lips/rust/%.wasm: lips/rust/%.rs guest_sdk/rust/symphony.rs | rust-toolchain
+	$(RUSTC) $< -o $@
+
+$(ASC): guest_sdk/assemblyscript/package.json
+	cd guest_sdk/assemblyscript && npm install --no-audit --no-fund
+	touch $@
+
+lips/as/%.wasm: lips/as/%.ts guest_sdk/assemblyscript/symphony.ts $(ASC)
+	$(ASC) $< $(ASC_FLAGS) -o $@
+
+# Python (lips/python/) as components, with componentize-py from the dev extra (5-20 s each).
+lips/python/%.wasm: lips/python/%.py guest_sdk/python/symphony.py guest_sdk/python/wit/symphony.wit | $(VENV)/.installed
+	$(COMPONENTIZE) $* -o $@
+
+# Code completion on the default model; stdin closed, so it completes PROMPT once and ends.
 run: lips
-	@test -n "$(MODEL)" || { echo "no model: pass MODEL=DIR (a Hugging Face directory)"; exit 2; }
-	$(VENV)/bin/symphony run --model $(MODEL) --stats lips/hello.wasm -- "$(PROMPT)" 60
+	$(VENV)/bin/symphony run $(MODEL_FLAG) --stats lips/complete_code.wasm -- "$(PROMPT)" 80 < /dev/null
 
 generate: install
-	@test -n "$(MODEL)" || { echo "no model: pass MODEL=DIR (a Hugging Face directory)"; exit 2; }
-	$(VENV)/bin/symphony generate --model $(MODEL) --prompt "$(PROMPT)" --max-tokens 60
+	$(VENV)/bin/symphony generate $(MODEL_FLAG) --prompt "$$(printf '$(PROMPT)')" --max-tokens 60
+
+# Retrain the bundled default model (about 20 minutes on 2 cores); see its README.md.
+default-model: install
+	$(PY) -m symphony_os.train_default_model
 
 test: lips
 	$(PY) -m pytest -q
 
+# Fuzz the host (tests/fuzzing.py) for SECONDS: host calls from a guest, and module bytes on the
+# upload path; prints inputs run, inputs/s and line coverage. `make test` runs a short seeded budget.
+SECONDS ?= 60
+fuzz: lips
+	$(PY) tests/fuzz.py --seconds $(SECONDS)
+
+# The paper's comparisons, programs against prompts on one server (bench/paper.py, bench/README.md);
+# bench-quick is the under-10-minute version. bench-engine: the engine against transformers' generate.
 bench: install
+	$(PY) bench/paper.py
+
+bench-quick: install
+	$(PY) bench/paper.py --quick
+
+bench-engine: install
 	$(PY) bench/engine.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info lips/*.wasm
+	rm -rf $(VENV) build *.egg-info lips/*.wasm lips/*/*.wasm guest_sdk/assemblyscript/node_modules

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -10,8 +11,9 @@ from .sampling import Sample
 
 def _engine_options(func):
     options = [
-        click.option("--model", "model_path", type=click.Path(file_okay=False), default=None,
-                     help="Hugging Face model directory (default: $SYMPHONY_MODEL, else the bundled default)."),
+        click.option("--model", "model_path", default=None, metavar="DIR|FILE.gguf|ORG/NAME",
+                     help="A Hugging Face directory, a GGUF file or a hub id (default: $SYMPHONY_MODEL, "
+                          "else the bundled default model; `symphony models` lists what is here)."),
         click.option("--device", default=None, help="cpu or cuda (default: cuda when available)."),
         click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
                      help="Weights and KV dtype (default: float32 on CPU, bfloat16 on GPU)."),
@@ -105,6 +107,19 @@ def info(model_path, device, dtype, attention, page_size, kv_pages):
         click.echo(f"{name:<{width}}  {value}")
 
 
+@main.command()
+def models():
+    """List the models found here: the bundled default, $SYMPHONY_MODEL, ../shared/models and
+    the Hugging Face cache. Any of them (or a hub id) can be passed as --model."""
+    from .model_catalog import find_models
+
+    rows = [(m.name, m.kind, m.format, m.size, str(m.path)) for m in find_models()]
+    header = ("name", "where", "format", "size", "path")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
+    for row in [header, *rows]:
+        click.echo("  ".join(f"{cell:<{w}}" for cell, w in zip(row, widths)) + "  " + row[4])
+
+
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.argument("program", type=click.Path(dir_okay=False))
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
@@ -118,6 +133,7 @@ def run(program, args, model_path, device, dtype, attention, page_size, kv_pages
     import threading
     import time
 
+    from .errors import InputClosed, LimitExceeded
     from .program import ProgramError
     from .runtime import Runtime
 
@@ -145,9 +161,17 @@ def run(program, args, model_path, device, dtype, attention, page_size, kv_pages
                                 on_log=(lambda text: sys.stderr.write(text)) if verbose else None)
 
         def forward_stdin() -> None:
-            for line in sys.stdin:
-                process.deliver(line.rstrip("\n").encode())
-            process.close_input()
+            try:
+                for line in sys.stdin:
+                    while True:
+                        try:
+                            process.deliver(line.rstrip("\n").encode())
+                            break
+                        except LimitExceeded:  # its inbox is full: wait for it to read
+                            time.sleep(0.01)
+                process.close_input()
+            except InputClosed:  # it ended: nobody reads stdin any more
+                pass
 
         threading.Thread(target=forward_stdin, name="stdin", daemon=True).start()
         code = runtime.wait(process)
@@ -160,6 +184,56 @@ def run(program, args, model_path, device, dtype, attention, page_size, kv_pages
                    f"({s.tokens / elapsed:.1f} tokens/s), queue wait {s.mean_queue_wait_ms:.2f} ms, "
                    f"KV pages peak {pool.peak_used} of {pool.total}", err=True)
     sys.exit(code)
+
+
+@main.command()
+@_engine_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, help="Port to listen on.")
+@click.option("--tenants", "tenants_file", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="TOML file of tenants, tokens and quotas (default: one tenant, no token).")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help="Where uploaded programs are stored (default: a temporary directory).")
+@click.option("--grace", "grace_s", default=30.0, show_default=True,
+              help="Seconds before a process whose client vanished is killed (unless launched detached).")
+@click.option("--workers", default=1, show_default=True, help="Scheduler threads polling LIP processes.")
+@click.option("--log-level", default="info", show_default=True)
+def serve(model_path, device, dtype, attention, page_size, kv_pages, host, port, tenants_file, data_dir, grace_s,
+          workers, log_level):
+    """Serve LIPs to many tenants over HTTP and WebSocket, with OpenAI-compatible endpoints
+    under /v1 (API description at /docs and /openapi.json)."""
+    import uvicorn
+
+    from . import logs
+    from .server import ServerConfig, create_app
+    from .tenants import Tenants, TenantsFileError
+
+    try:
+        tenants = Tenants.from_file(tenants_file) if tenants_file else Tenants.single()
+    except TenantsFileError as error:
+        raise click.ClickException(str(error)) from error
+    if not tenants_file and not _is_loopback(host):
+        click.echo(f"symphony serve: warning: listening on {host} without --tenants: anyone who can reach "
+                   "the port may run programs, with no token and no quotas", err=True)
+    engine = _make_engine(model_path, device, dtype, attention, page_size, kv_pages)
+    config = ServerConfig(grace_s=grace_s, data_dir=Path(data_dir) if data_dir else None, workers=workers)
+    logs.configure(log_level)
+    uvicorn.run(create_app(engine, tenants, config), host=host, port=port, log_config=None, log_level=log_level)
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether a server bound to `host` is reachable from this machine only."""
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _add_client_commands() -> None:
+    from .cli_client import CLIENT_COMMANDS
+
+    for command in CLIENT_COMMANDS:
+        main.add_command(command)
+
+
+_add_client_commands()
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from .loader import LoadedModel, load_model
 from .model_runner import ModelRunner, SequenceInput
 from .pool import KVPool
 from .pred_future import PredFuture
-from .sampling import GREEDY, PredResult, Want, process_logits, validate_want
+from .sampling import GREEDY, GreedyEach, PredResult, Want, process_logits, validate_want
 from .scheduler import BatchPlan, BatchScheduler, PredRequest
 
 DEFAULT_CPU_KV_BYTES = 512 * 2**20
@@ -178,18 +178,25 @@ class Engine:
                 self._finish(request, error=error)
                 continue
             runnable.append(chunk)
+            each = isinstance(request.want, GreedyEach)
             seqs.append(SequenceInput(
                 tokens=request.tokens[chunk.start:chunk.start + chunk.count], positions=positions,
-                slots=slots, page_table=page_table, context_len=context_len, wants_logits=chunk.is_last,
+                slots=slots, page_table=page_table, context_len=context_len,
+                wants_logits=chunk.is_last and not each, greedy_each=each,
             ))
         return runnable, seqs
 
     def _run(self, chunks, seqs) -> None:
         started = time.perf_counter()
         try:
-            logits = self.runner.run(seqs)
-            finishing = [c for c in chunks if c.is_last]
-            results = process_logits(logits, [c.request.want for c in finishing], self._generator)
+            logits = self.runner.run(seqs)  # a row per finishing chunk; GreedyEach chunks get argmax_each
+            wants = []
+            for chunk, seq in zip(chunks, seqs):
+                if seq.greedy_each:
+                    chunk.request.greedy_each += seq.argmax_each
+                elif seq.wants_logits:
+                    wants.append(chunk.request.want)
+            results = process_logits(logits, wants, self._generator) if wants else []
         except Exception as error:  # a failed forward fails its batch, not the engine
             for chunk in chunks:
                 self._finish(chunk.request, error=error)
@@ -204,7 +211,10 @@ class Engine:
         for chunk in chunks:
             chunk.request.done += chunk.count
             if chunk.is_last:
-                finished.append((chunk.request, next(done), None))
+                request = chunk.request
+                result = (PredResult(tokens=request.greedy_each) if isinstance(request.want, GreedyEach)
+                          else next(done))
+                finished.append((request, result, None))
         self._finish_all(finished)
 
     def _finish(self, request: PredRequest, result: PredResult | None = None,

@@ -7,8 +7,9 @@ code calls `pending.complete(values)`, the next poll resumes the guest with thos
 `set_time_slice` a guest that computes for a whole epoch slice also yields, so one busy guest
 cannot starve the others on its thread.
 
-This is the only module that touches wasmtime's async C API; wasmtime-py 50 reaches it only
-through its ctypes layer (`wasmtime._ffi`). The C API's rules, and what breaking them did:
+This is the only module that touches wasmtime's async C API for core modules (component.py
+does the same for components, with these Fibers); wasmtime-py 50 reaches it only through its
+ctypes layer (`wasmtime._ffi`). The C API's rules, and what breaking them did:
 - Everything a future was created from (store, Func, argument and result arrays, trap and
   error slots, linker, module) must stay alive and unchanged until the future is deleted:
   freeing a Func mid-call aborted the process with a Rust panic. `Fiber` holds them.

@@ -11,25 +11,27 @@ from __future__ import annotations
 import logging
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from .errors import (BadHandle, BufferTooSmall, ErrorCode, InputClosed, InvalidArgument, LimitExceeded,
                      SymphonyError)
 from .guest_memory import GuestMemory
+from .limits import check_kv_pages
 from .pred_future import PredFuture
-from .sampling import GREEDY, Distribution, Sample, TopK, Want
+from .prefix_cache import PrefixCache, TrackedFile
+from .sampling import GREEDY, Distribution, GreedyEach, Sample, TopK, Want
 
 if TYPE_CHECKING:
     from .process import Process
 
 log = logging.getLogger("symphony.hostcalls")
 
-KIND_DISTRIBUTION, KIND_TOPK, KIND_SAMPLE = 0, 1, 2
+KIND_DISTRIBUTION, KIND_TOPK, KIND_SAMPLE, KIND_GREEDY_EACH = 0, 1, 2, 3
 SAMPLING_RECORD = struct.Struct("<ffiiQiiiii4x")  # sym_sampling: 48 bytes
 MAX_TOKENS_PER_PRED = 1 << 16
 MAX_TEXT_BYTES = 1 << 20
-MAX_BIAS = 1 << 16
 WASI_EBADF, WASI_EFAULT, WASI_EINVAL = 8, 21, 28
+T = TypeVar("T")
 
 
 @dataclass
@@ -61,6 +63,12 @@ class HostCalls:
         self.kv = process.kv
         self.tickets: dict[int, Ticket] = {}
         self._next_ticket = 1
+        self.prefix_cache = PrefixCache(self.kv.fs)
+        self.prefix_files: dict[int, TrackedFile] = {}  # handles from kv_open_prefix
+        self.last_limit: str | None = None  # the message of the last LIMIT_EXCEEDED, for the server
+        self._failures_logged: set[str] = set()  # calls whose unexpected failure was logged
+        # What `distribution` resources of a component hold on the host (component.py).
+        self.host_distribution_bytes: Callable[[], int] = lambda: 0
 
     # The import table: name -> number of i32 parameters (checked against the WIT by a test).
     @classmethod
@@ -68,13 +76,29 @@ class HostCalls:
         return {name: _signature_of(getattr(cls, name)) for name in CALLS}
 
     def call(self, name: str, memory: GuestMemory, args: list[int]) -> int | Block:
+        return self.dispatch(name, lambda: getattr(self, name)(memory, *args), int)
+
+    def dispatch(self, name: str, run: Callable[[], T], failed: Callable[[ErrorCode], T]) -> T:
+        """The one way into a system call, from a core module or a component: charges the
+        host-call rate limit, then `run()`; an error becomes `failed(code)`. An unexpected
+        exception (a host bug, a broken tool) becomes INTERNAL, its traceback logged once per
+        process and call: a guest calling it in a loop must not flood the server's log."""
         try:
-            return getattr(self, name)(memory, *args)
+            self.process.usage.charge_hostcall()
+            return run()
         except SymphonyError as error:
-            return int(error.code)
+            self._error_code(error)
+            return failed(error.code)
         except Exception:  # a host bug must not become a host crash
-            log.exception("pid %s: host call %s failed", self.process.pid, name)
-            return int(ErrorCode.INTERNAL)
+            if name not in self._failures_logged:
+                self._failures_logged.add(name)
+                log.exception("pid %s: host call %s failed (logged once per process)", self.process.pid, name)
+            return failed(ErrorCode.INTERNAL)
+
+    def _error_code(self, error: SymphonyError) -> int:
+        if isinstance(error, LimitExceeded):
+            self.last_limit = str(error)
+        return int(error.code)
 
     # ---- model ----
 
@@ -133,28 +157,54 @@ class HostCalls:
         return self.kv.open(self._path(mem, path_ptr, path_len), flags)
 
     def kv_fork(self, mem: GuestMemory, kv: int) -> int:
-        return self.kv.fork(kv)
+        return self._within_kv_pages(self.kv.fork(kv))
 
     def kv_extract(self, mem: GuestMemory, kv: int, start: int, end: int) -> int:
-        return self.kv.extract(kv, start, end)
+        return self._within_kv_pages(self.kv.extract(kv, start, end))
 
     def kv_merge(self, mem: GuestMemory, first: int, second: int) -> int:
-        return self.kv.merge(first, second)
+        return self._within_kv_pages(self.kv.merge(first, second))
+
+    def _within_kv_pages(self, new_handle: int) -> int:
+        """A file just made by fork/extract/merge, unless it took the process past its page limit."""
+        try:
+            check_kv_pages(self.process)
+        except LimitExceeded:
+            self.kv.close(new_handle)
+            raise
+        return new_handle
 
     def kv_len(self, mem: GuestMemory, kv: int) -> int:
         return self.kv.len(kv)
 
     def kv_truncate(self, mem: GuestMemory, kv: int, length: int) -> int:
         self.kv.truncate(kv, length)
+        if kv in self.prefix_files:
+            del self.prefix_files[kv].ids[length:]
         return 0
 
     def kv_close(self, mem: GuestMemory, kv: int) -> int:
         self.kv.close(kv)
+        self.prefix_files.pop(kv, None)
         return 0
 
     def kv_remove(self, mem: GuestMemory, path_ptr: int, path_len: int) -> int:
         self.kv.remove(self._path(mem, path_ptr, path_len))
         return 0
+
+    def kv_open_prefix(self, mem: GuestMemory, ids_ptr: int, n: int) -> int:
+        """A new file holding the longest cached prefix of the ids (prefix_cache.py)."""
+        if not 0 < n <= MAX_TOKENS_PER_PRED:
+            raise InvalidArgument(f"kv_open_prefix takes 1 to {MAX_TOKENS_PER_PRED} token ids, got {n}")
+        handle, tracked = self.prefix_cache.open_longest(self.kv, mem.read_i32s(ids_ptr, n))
+        self.prefix_files[handle] = tracked
+        return handle
+
+    def kv_cache_prefix(self, mem: GuestMemory, kv: int) -> int:
+        tracked = self.prefix_files.get(kv)
+        if tracked is None:
+            raise BadHandle(f"KV handle {kv} was not opened by kv_open_prefix")
+        return self.prefix_cache.offer(self.kv, kv, tracked)
 
     def kv_hint(self, mem: GuestMemory, kv: int, flags: int, keep_for_ms: int, priority: int) -> int:
         if flags & ~3:
@@ -174,9 +224,6 @@ class HostCalls:
     def pred_submit(self, mem: GuestMemory, kv: int, ids_ptr: int, pos_ptr: int, n: int, kind: int, arg: int) -> int:
         if not 0 < n <= MAX_TOKENS_PER_PRED:
             raise InvalidArgument(f"pred takes 1 to {MAX_TOKENS_PER_PRED} tokens, got {n}")
-        limit = self.process.limits.preds_in_flight
-        if len(self.tickets) >= limit:
-            raise LimitExceeded(f"at most {limit} preds in flight per process")
         tokens = mem.read_i32s(ids_ptr, n)
         positions = mem.read_i32s(pos_ptr, n) if pos_ptr else None
         if kind == KIND_DISTRIBUTION:
@@ -185,20 +232,47 @@ class HostCalls:
             want = TopK(arg)
         elif kind == KIND_SAMPLE:
             want = self._read_sampling(mem, arg) if arg else GREEDY
+        elif kind == KIND_GREEDY_EACH:
+            want = GreedyEach()
         else:
-            raise InvalidArgument(f"pred kind must be 0 (distribution), 1 (top-k) or 2 (sample), got {kind}")
+            raise InvalidArgument(f"pred kind must be 0 (distribution), 1 (top-k), 2 (sample) or 3 (greedy each), "
+                                  f"got {kind}")
+        return self.submit(kv, tokens, positions, want)
+
+    def submit(self, kv: int, tokens: list[int], positions: list[int] | None, want: Want) -> int:
+        """Queue a pred for the engine and return its ticket: the checks every pred passes,
+        from a core module or a component (component.py calls this too)."""
+        limits = self.process.limits
+        if len(self.tickets) >= limits.preds_in_flight:
+            raise LimitExceeded(f"at most {limits.preds_in_flight} preds in flight per process")
+        check_kv_pages(self.process, kv, len(tokens))
+        if isinstance(want, Distribution):
+            self._check_distribution_bytes()
         future = self.engine.submit(self.kv, kv, tokens, positions, want)
+        if kv in self.prefix_files:
+            self.prefix_files[kv].ids.extend(tokens)
         ticket = self._next_ticket
         self._next_ticket += 1
         self.tickets[ticket] = Ticket(future, want)
         return ticket
 
-    @staticmethod
-    def _read_sampling(mem: GuestMemory, ptr: int) -> Sample:
+    def _check_distribution_bytes(self) -> None:
+        """Refuse one more distribution past the process's `distribution_bytes`: those of the
+        preds in flight (their results wait on the host) and a component's live resources."""
+        limit = self.process.limits.distribution_bytes
+        one = 4 * self.engine.loaded.config.vocab_size  # float32 per token
+        in_flight = sum(isinstance(ticket.want, Distribution) for ticket in self.tickets.values())
+        held = in_flight * one + self.host_distribution_bytes()
+        if held + one > limit:
+            raise LimitExceeded(f"distribution memory limit per process: {held} of {limit} bytes held, "
+                                f"one more takes {one}; drop distributions you no longer need")
+
+    def _read_sampling(self, mem: GuestMemory, ptr: int) -> Sample:
         (temperature, top_p, top_k, has_seed, seed, allowed_ptr, n_allowed, bias_ids_ptr, bias_values_ptr,
          n_bias) = SAMPLING_RECORD.unpack(mem.read(ptr, SAMPLING_RECORD.size))
-        if not 0 <= n_allowed <= MAX_TOKENS_PER_PRED or not 0 <= n_bias <= MAX_BIAS:
-            raise InvalidArgument("sampling: n_allowed or n_bias out of range")
+        vocab = self.engine.loaded.config.vocab_size
+        if not 0 <= n_allowed <= vocab or not 0 <= n_bias <= vocab:
+            raise InvalidArgument(f"sampling: n_allowed and n_bias are at most the vocabulary size {vocab}")
         allowed = tuple(mem.read_i32s(allowed_ptr, n_allowed)) if allowed_ptr else None
         bias = {}
         if n_bias:
@@ -222,7 +296,7 @@ class HostCalls:
                 result = entry.future.result()
             except SymphonyError as error:
                 del self.tickets[ticket]
-                return int(error.code)
+                return self._error_code(error)
             want = entry.want
             if isinstance(want, Distribution):
                 vocab = result.probs.numel()
@@ -238,6 +312,13 @@ class HostCalls:
                 mem.write(out_ptr, struct.pack(f"<{k}i{k}f", *result.top_ids, *result.top_logprobs))
                 del self.tickets[ticket]
                 return k
+            if isinstance(want, GreedyEach):
+                n = len(result.tokens)
+                if cap < n:
+                    return int(ErrorCode.BUFFER_TOO_SMALL)
+                mem.write_i32s(out_ptr, result.tokens)
+                del self.tickets[ticket]
+                return n
             del self.tickets[ticket]
             return result.token
 
@@ -272,6 +353,17 @@ class HostCalls:
             return finish(mem)
         return Block("blocked-on-recv", None, lambda mem: self._guarded(finish, mem))
 
+    # ---- tools ----
+
+    def tool(self, mem: GuestMemory, name_ptr: int, name_len: int, input_ptr: int, input_len: int,
+             out_ptr: int, cap: int) -> int:
+        """Calls an operator-registered tool (symphony_os/tools.py) inside the server."""
+        if not 0 < name_len <= 64 or not 0 <= input_len <= MAX_TEXT_BYTES or cap < 0:
+            raise InvalidArgument("tool: the name is 1 to 64 bytes, the input at most 1 MiB, cap >= 0")
+        name, text = mem.read_str(name_ptr, name_len), mem.read_str(input_ptr, input_len)
+        mem.check(out_ptr, cap)
+        return self._write_text(mem, self.process.tools.call(name, text).encode(), out_ptr, cap)
+
     # ---- WASI ----
 
     def fd_write(self, mem: GuestMemory, fd: int, iovs_ptr: int, iovs_len: int, nwritten_ptr: int) -> int:
@@ -305,4 +397,5 @@ class HostCalls:
 
 CALLS = ("vocab_size", "eos_ids", "bos_id", "model_name", "tokenize", "detokenize", "kv_create", "kv_open",
          "kv_fork", "kv_extract", "kv_merge", "kv_len", "kv_truncate", "kv_close", "kv_remove", "kv_hint",
-         "pred_submit", "pred_wait", "send", "recv")
+         "kv_open_prefix", "kv_cache_prefix",
+         "pred_submit", "pred_wait", "send", "recv", "tool")

@@ -46,6 +46,12 @@ MAX_PATH_BYTES = 255
 _PATH_COMPONENT = re.compile(r"^[A-Za-z0-9._\-]+$")
 
 
+def quota_account(owner: str) -> str:
+    """The tenant whose page quota a file counts against: a host-side cache of a tenant (owner
+    `<tenant>:<cache>`, a name no tenant can spell; prefix_cache.py) counts against the tenant."""
+    return owner.partition(":")[0]
+
+
 class OpenFlags(enum.IntFlag):
     """Flags of `KvSession.open`; the values are part of the guest ABI."""
 
@@ -158,6 +164,11 @@ class KVFS:
         self._protected: set[int] = set()
         self.evicted_files = 0
         self.swapped_out_pages = 0
+        # Tenant -> most pages its files may hold; checked when a file grows (see pages_of).
+        self.page_quota: dict[str, int] = {}
+        # Account (quota_account) -> page -> references from its files: kept as pages come and
+        # go, so a quota check costs no walk over files and forked pages count once.
+        self._held: dict[str, dict[int | HostPage, int]] = {}
         pool.reclaim = self._reclaim
 
     def session(self, tenant: str = "default", max_handles: int = 4096) -> "KvSession":
@@ -195,7 +206,19 @@ class KVFS:
             del self._names[(file.owner, file.name)]
             file.name = None
 
+    def _count_pages(self, file: KvFile, added=(), removed=()) -> None:
+        """Keep `_held` in step with a change to `file.pages`."""
+        held = self._held.setdefault(quota_account(file.owner), {})
+        for page in added:
+            held[page] = held.get(page, 0) + 1
+        for page in removed:
+            if held[page] == 1:
+                del held[page]
+            else:
+                held[page] -= 1
+
     def _free_file(self, file: KvFile) -> None:
+        self._count_pages(file, removed=file.pages)
         self._drop_pages(file.pages)
         file.pages = []
         file.length = 0
@@ -233,11 +256,12 @@ class KVFS:
                 if isinstance(page, HostPage):
                     file.pages[i] = self.pool.swap_in(page)
                     file.host_pages -= 1
+                    self._count_pages(file, added=[file.pages[i]], removed=[page])
 
     @contextlib.contextmanager
     def protect(self, files: list[KvFile]) -> Iterator[None]:
-        """Within this block, the given files are not swapped out to make room (the lock is
-        taken only to update the protected set, so a forward pass can run inside)."""
+        """Within this block, the given files are not swapped out or evicted to make room (the
+        lock is taken only to update the protected set, so a forward pass can run inside)."""
         with self.lock:
             added = {f.file_id for f in files} - self._protected
             self._protected |= added
@@ -275,6 +299,7 @@ class KVFS:
         page_size = self.pool.page_size
         copy_last = bool(file.length % page_size) and self.pool.refcount[file.pages[-1]] > 1
         needed = -(-(file.length + n) // page_size) - len(file.pages)
+        self._within_quota(file.owner, needed + copy_last)
         # Only an allocation that may reclaim (evict or swap) needs the file protected.
         guard = self.protect([file]) if needed + copy_last > self.pool.free_pages else contextlib.nullcontext()
         with guard:
@@ -282,7 +307,10 @@ class KVFS:
                 old = file.pages[-1]
                 file.pages[-1] = self.pool.copy_page(old)
                 self.pool.decref([old])
-            file.pages.extend(self.pool.allocate(needed))
+                self._count_pages(file, added=[file.pages[-1]], removed=[old])
+            new_pages = self.pool.allocate(needed)
+            file.pages.extend(new_pages)
+            self._count_pages(file, added=new_pages)
         slots = [
             file.pages[i // page_size] * page_size + i % page_size
             for i in range(file.length, file.length + n)
@@ -290,6 +318,55 @@ class KVFS:
         file.length += n
         file.last_used = self.clock()
         return slots
+
+    def pages_of(self, owner: str) -> int:
+        """Distinct pages (in the pool or swapped out) held by the files of `owner`'s quota
+        account: its own and its host-side caches' (quota_account); forked pages count once."""
+        with self.lock:
+            return len(self._held.get(quota_account(owner), ()))
+
+    def _within_quota(self, owner: str, more: int) -> None:
+        """Raise LimitExceeded unless `owner`'s account may hold `more` new pages, evicting its
+        host-side cache files (least recently used first) to make room."""
+        account = quota_account(owner)
+        quota = self.page_quota.get(account)
+        if quota is None or more <= 0:
+            return
+        held = self._held.get(account, {})
+        if len(held) + more > quota:
+            self._evict_caches_of(account, len(held) + more - quota)
+        if len(held) + more > quota:
+            raise LimitExceeded(f"KV page quota of tenant {account!r}: its files hold {len(held)} of {quota} "
+                                f"pages, {more} more needed; close or remove KV files")
+
+    def _evict_caches_of(self, account: str, pages: int) -> None:
+        """Evict the account's closed cache files until `pages` of its pages are freed (or
+        none is left). Among equally recent files, those holding later positions go first:
+        a prefix cache's deeper blocks are worth less than the ones every lookup passes."""
+        now, held = self.clock(), self._held.get(account, {})
+        target = len(held) - pages
+        victims = sorted((f for (owner, _), f in self._names.items()
+                          if owner != account and quota_account(owner) == account and self._evictable(f, now)
+                          and f.file_id not in self._protected),
+                         key=lambda f: (f.last_used, -f.next_position))
+        for file in victims:
+            if len(held) <= target:
+                return
+            self._unlink(file)
+            self._free_file(file)
+            self.evicted_files += 1
+
+    def save_copy(self, src: KvFile, start: int, end: int, owner: str, name: str) -> bool:
+        """Make a closed named file `name` of `owner` holding src's tokens [start, end) (whole
+        pages shared) unless one exists; True when it was made. For host-side caches
+        (prefix_cache.py): the file is evicted like any closed named file."""
+        with self.lock:
+            if (owner, name) in self._names:
+                self._names[(owner, name)].last_used = self.clock()
+                return False
+            file = self._new_file(owner, name)
+            self.copy_range(src, start, end, file)
+            return True
 
     def page_table(self, file: KvFile) -> list[int]:
         """Device page ids of a resident file, in token order."""
@@ -301,20 +378,26 @@ class KVFS:
         page_size = self.pool.page_size
         if end <= start:
             return
-        self.ensure_resident(src)
+        # Protected from the start: making src resident may reclaim, and either may be a closed
+        # named file (a host-side cache's), which reclaiming would otherwise evict.
         with self.protect([src, dst]):
+            self.ensure_resident(src)
             if start % page_size == 0 and dst.length % page_size == 0:
                 first, last = start // page_size, -(-end // page_size)
+                if self.page_quota:
+                    held = self._held.get(quota_account(dst.owner), {})
+                    self._within_quota(dst.owner, sum(isinstance(p, HostPage) or p not in held
+                                                      for p in src.pages[first:last]))
                 shared = self._share_pages(src.pages[first:last])
                 dst.pages.extend(shared)
+                self._count_pages(dst, added=shared)
                 dst.host_pages += sum(isinstance(p, HostPage) for p in shared)
-                base = dst.length
-                dst.runs += [(base + i, p) for i, p in src.runs_between(start, end)]
+                _append_runs(dst, dst.length, src.runs_between(start, end))
                 dst.length += end - start
                 return
             base = dst.length
             dst_slots = self._grow(dst, end - start)
-            dst.runs += [(base + i, p) for i, p in src.runs_between(start, end)]
+            _append_runs(dst, base, src.runs_between(start, end))
             src_slots = [
                 src.pages[i // page_size] * page_size + i % page_size for i in range(start, end)
             ]
@@ -334,6 +417,7 @@ class KVFS:
         """Cut the file to its first `length` tokens, freeing whole pages past them."""
         keep_pages = -(-length // self.pool.page_size)
         dropped = file.pages[keep_pages:]
+        self._count_pages(file, removed=dropped)
         file.host_pages -= sum(isinstance(p, HostPage) for p in dropped)
         self._drop_pages(dropped)
         del file.pages[keep_pages:]
@@ -345,14 +429,8 @@ class KVFS:
         """Free pages: evict closed named files, then swap unprotected open files to host."""
         target = self.pool.free_pages + pages_needed
         now = self.clock()
-
-        def evictable(f: KvFile) -> bool:
-            if f.refs or f.hints.pinned or f.name is None:
-                return False
-            return f.hints.keep_for_s is None or now - f.last_used >= f.hints.keep_for_s
-
         victims = sorted(
-            (f for f in self._files.values() if evictable(f)),
+            (f for f in self._files.values() if self._evictable(f, now) and f.file_id not in self._protected),
             key=lambda f: (f.hints.keep_for_s is None, f.hints.priority, f.last_used),
         )
         for file in victims:
@@ -375,7 +453,15 @@ class KVFS:
                 if not isinstance(page, HostPage) and self.pool.refcount[page] == 1:
                     file.pages[i] = self.pool.swap_out(page)
                     file.host_pages += 1
+                    self._count_pages(file, added=[file.pages[i]], removed=[page])
                     self.swapped_out_pages += 1
+
+    @staticmethod
+    def _evictable(file: KvFile, now: float) -> bool:
+        """A closed named file that its hints let go (pinned never; keep-for after its window)."""
+        if file.refs or file.hints.pinned or file.name is None:
+            return False
+        return file.hints.keep_for_s is None or now - file.last_used >= file.hints.keep_for_s
 
     def stat_file(self, file: KvFile) -> FileStat:
         swapped = sum(isinstance(p, HostPage) for p in file.pages)
@@ -406,6 +492,15 @@ class KVFS:
     @property
     def file_count(self) -> int:
         return len(self._files)
+
+
+def _append_runs(dst: KvFile, base: int, runs: list[tuple[int, int]]) -> None:
+    """Add position runs that start at token `base` of dst, merging one that continues dst's
+    last run (so a file rebuilt from consecutive blocks keeps a single run)."""
+    for index, position in runs:
+        if dst.runs and dst.runs[-1][1] + (base + index - dst.runs[-1][0]) == position:
+            continue
+        dst.runs.append((base + index, position))
 
 
 def _validate_name(name: str) -> str:
@@ -617,6 +712,13 @@ class KvSession:
     @property
     def open_handles(self) -> int:
         return len(self._handles)
+
+    def pages_held(self) -> int:
+        """Distinct pages (in the pool or swapped out) of the files this session holds open:
+        pages shared by forks count once."""
+        with self.fs.lock:
+            return len({id(p) if isinstance(p, HostPage) else p
+                        for entry in self._handles.values() for p in entry.file.pages})
 
     def close_all(self) -> None:
         """Close every handle this session still holds (process exit)."""

@@ -1,9 +1,12 @@
 """Loading a Llama-family model from a Hugging Face directory (config.json, *.safetensors,
-tokenizer files) with transformers' config and tokenizer classes and safetensors."""
+tokenizer files), a GGUF file (through transformers' GGUF support) or a Hugging Face hub id (from
+the local cache, else downloaded when the network allows), with transformers' config and
+tokenizer classes and safetensors."""
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +17,9 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 from .model import DecoderModel, ModelConfig, rope_inv_freq
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -98,10 +104,10 @@ def _arrange_weights(raw: dict[str, torch.Tensor], cfg: ModelConfig, dtype, devi
     return out
 
 
-def _eos_ids(path: Path, hf_config, tokenizer) -> tuple[int, ...]:
+def _eos_ids(generation_config: Path | None, hf_config, tokenizer) -> tuple[int, ...]:
     ids: list[int] = []
-    gen = path / "generation_config.json"
-    sources = [json.loads(gen.read_text()).get("eos_token_id")] if gen.exists() else []
+    gen = generation_config
+    sources = [json.loads(gen.read_text()).get("eos_token_id")] if gen and gen.is_file() else []
     sources += [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
     for value in sources:
         for token in value if isinstance(value, list) else [value]:
@@ -110,40 +116,132 @@ def _eos_ids(path: Path, hf_config, tokenizer) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype | None = None, device: str | None = None) -> LoadedModel:
-    """Load the model in a Hugging Face directory onto `device` (default: cuda when present)."""
-    path = Path(path)
+def _read_directory(path: Path):
+    """(transformers config, raw tensors, tokenizer) of a Hugging Face directory."""
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} is not a Hugging Face model directory (no config.json)")
-    device = device or default_device()
-    torch_dtype = resolve_dtype(dtype, device)
     hf_config = AutoConfig.from_pretrained(str(path))
+    _check_model_type(hf_config)
+    return hf_config, _read_safetensors(path), AutoTokenizer.from_pretrained(str(path))
+
+
+def _read_gguf(path: Path):
+    """(transformers config, raw tensors under Hugging Face names, tokenizer) of a GGUF file,
+    dequantized by transformers' GGUF support."""
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as error:  # a truncated or foreign file fails deep in the parser, any way it likes
+        raise ModelLoadError(f"{path}: not a GGUF model transformers can read ({type(error).__name__}: {error})") from error
+    _check_model_type(hf_config)
+    # llama.cpp writes 0xFFFFFFFF for "no such token"; transformers would take it as an id.
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int) and not 0 <= value < hf_config.vocab_size:
+            setattr(hf_config, name, None)
+    try:
+        return hf_config, _gguf_tensors(path, hf_config), _gguf_tokenizer(path)
+    except Exception as error:
+        raise ModelLoadError(f"{path}: cannot read its tensors or tokenizer ({type(error).__name__}: {error})") from error
+
+
+def _gguf_tensors(path: Path, hf_config) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):  # only the parameter names are needed, to map GGUF's onto them
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+
+
+def _gguf_tokenizer(path: Path):
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except IndexError:
+        pass  # a special-token id of 0xFFFFFFFF ("none"): build it without that token below
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer, read_gguf_metadata
+
+    metadata, _ = read_gguf_metadata(str(path), ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
+    tokenizer_dict = {name: metadata[f"tokenizer.{key}"]
+                      for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items() if f"tokenizer.{key}" in metadata}
+    tokens = tokenizer_dict["tokens"]
+    special = {}
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
+                      ("pad_token", "padding_token_id")):
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        if isinstance(token_id, int) and 0 <= token_id < len(tokens):
+            special[name] = tokens[token_id]
+    backend, _ = convert_gguf_tokenizer(metadata["general.architecture"], tokenizer_dict)
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token", tokenizer_dict.get("tokenizer_type") == "llama")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, add_bos_token=add_bos, **special)
+
+
+def _check_model_type(hf_config) -> None:
     if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
             f"model type {hf_config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+
+
+def resolve_model_source(source: str | Path) -> Path:
+    """The local path of `source`: a directory or .gguf file as it is; a hub id ("org/name")
+    from the Hugging Face cache, else downloaded when the network allows."""
+    path = Path(source)
+    if path.exists():
+        return path
+    if not HUB_ID.match(str(source)):
+        raise ModelLoadError(f"{source}: no such directory or .gguf file")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(source), allow_patterns=HUB_FILES, local_files_only=True))
+    except Exception:  # not cached: try the network below
+        pass
+    try:
+        return Path(snapshot_download(str(source), allow_patterns=HUB_FILES, etag_timeout=10))
+    except Exception as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelLoadError(
+            f"{source}: not a local directory or .gguf file, not in the Hugging Face cache, and the download "
+            f"failed ({reason}); download it where the network allows (`hf download {source}`) and pass "
+            f"--model with its directory"
+        ) from error
+
+
+def load_model(source: str | Path, dtype: str | torch.dtype | None = None, device: str | None = None) -> LoadedModel:
+    """Load a model from a Hugging Face directory, a .gguf file or a hub id onto `device`
+    (default: cuda when present)."""
+    path = resolve_model_source(source)
+    device = device or default_device()
+    torch_dtype = resolve_dtype(dtype, device)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{path}: a model file must be .gguf (or pass a Hugging Face directory)")
+        hf_config, raw, tokenizer = _read_gguf(path)
+        generation_config, name = None, path.stem
+    else:
+        hf_config, raw, tokenizer = _read_directory(path)
+        generation_config, name = path / "generation_config.json", path.resolve().name
     cfg = ModelConfig.from_hf(hf_config)
-    weights = _arrange_weights(_read_safetensors(path), cfg, torch_dtype, device)
+    weights = _arrange_weights(raw, cfg, torch_dtype, device)
     inv_freq, rope_scale = rope_inv_freq(hf_config)
-    model = DecoderModel(cfg, weights, inv_freq, rope_scale)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
     return LoadedModel(
-        name=path.resolve().name,
+        name=name,
         path=path,
-        model=model,
+        model=DecoderModel(cfg, weights, inv_freq, rope_scale),
         config=cfg,
         tokenizer=tokenizer,
-        eos_token_ids=_eos_ids(path, hf_config, tokenizer),
+        eos_token_ids=_eos_ids(generation_config, hf_config, tokenizer),
         bos_token_id=tokenizer.bos_token_id,
     )
 
 
-def default_model_path() -> Path:
-    """$SYMPHONY_MODEL, else the stories260K model in ../shared beside the checkout."""
+def default_model_path() -> Path | str:
+    """$SYMPHONY_MODEL, else the model that ships with Symphony (symphony_os/default_model)."""
     env = os.environ.get("SYMPHONY_MODEL")
     if env:
-        return Path(env)
-    shared = Path(__file__).resolve().parent.parent.parent / "shared" / "models" / "stories260K"
-    if shared.is_dir():
-        return shared
-    raise ModelLoadError("no default model here: pass --model DIR (a Hugging Face directory) or set SYMPHONY_MODEL")
+        return env
+    if (DEFAULT_MODEL_DIR / "config.json").is_file():
+        return DEFAULT_MODEL_DIR
+    raise ModelLoadError(f"the bundled default model is missing from {DEFAULT_MODEL_DIR}: pass --model "
+                         "(a Hugging Face directory, a .gguf file or a hub id) or set SYMPHONY_MODEL")

@@ -23,7 +23,14 @@ class SequenceInput:
     slots: list[int]
     page_table: list[int]
     context_len: int  # cached tokens after this append
-    wants_logits: bool
+    wants_logits: bool  # the logits of its last token are returned
+    greedy_each: bool = False  # instead: the argmax after every token, written to `argmax_each`
+    argmax_each: list[int] | None = None  # output of `run` for a greedy_each sequence
+
+
+# Rows of full logits computed at a time for a greedy_each sequence, of which only the argmax
+# is kept: a 4096-token draft would otherwise hold 4096 x vocab float32 (2.5 GB at 151,936).
+ARGMAX_ROWS = 64
 
 
 class ModelRunner:
@@ -54,7 +61,8 @@ class ModelRunner:
 
     def run(self, seqs: list[SequenceInput]) -> torch.Tensor:
         """Forward pass over all sequences; float32 logits [N, vocab] of the last token of each
-        sequence with `wants_logits`, in order."""
+        sequence with `wants_logits`, in order. Each `greedy_each` sequence gets its
+        `argmax_each` instead."""
         if self.graphs is not None and self.graphs.fits(seqs):
             return self.graphs.run(seqs)
         return self.run_eager(seqs)
@@ -66,8 +74,20 @@ class ModelRunner:
         input_ids = torch.tensor([t for s in seqs for t in s.tokens], dtype=torch.int64, device=device)
         positions = torch.tensor([p for s in seqs for p in s.positions], dtype=torch.int64, device=device)
         hidden = self.model.forward(input_ids, positions, meta, self.pool, self.backend)
-        ends = accumulate(meta.query_lens)
-        last_rows = [end - 1 for s, end in zip(seqs, ends) if s.wants_logits]
+        last_rows = []
+        for s, end in zip(seqs, accumulate(meta.query_lens)):
+            if s.greedy_each:
+                s.argmax_each = self._argmax_rows(hidden, end - len(s.tokens), end)
+            elif s.wants_logits:
+                last_rows.append(end - 1)
         if not last_rows:
             return torch.empty(0, self.model.cfg.vocab_size, device=device)
         return self.model.logits(hidden[torch.tensor(last_rows, device=device)])
+
+    def _argmax_rows(self, hidden: torch.Tensor, start: int, end: int) -> list[int]:
+        """The argmax of the logits of rows [start, end), ARGMAX_ROWS rows at a time."""
+        tokens: list[int] = []
+        for first in range(start, end, ARGMAX_ROWS):
+            rows = hidden[first:min(first + ARGMAX_ROWS, end)]
+            tokens += self.model.logits(rows).argmax(dim=-1).tolist()
+        return tokens

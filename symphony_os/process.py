@@ -5,19 +5,26 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
+import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable
 
 import wasmtime
 
+from .errors import InputClosed, LimitExceeded
 from .fiber import AsyncLinker, Fiber, HostCall, Pending, set_time_slice
 from .guest_memory import GuestMemory, memory_locator
 from .hostcalls import Block, HostCalls
+from .limits import ProcessLimits, Usage, store_limits, trap_reason
 from .program import Program
+from .tools import ToolRegistry
 
 EXIT_TRAPPED = 134  # like a process killed by SIGABRT
 EXIT_KILLED = 137  # like a process killed by SIGKILL
+# Messages delivered and not yet taken by `recv`: past either bound `deliver` refuses more, so a
+# client cannot grow the server's memory faster than the LIP reads.
+INBOX_BYTES = 16 * 2**20
+INBOX_MESSAGES = 4096
 
 
 class ProcessState(str, enum.Enum):
@@ -28,33 +35,25 @@ class ProcessState(str, enum.Enum):
     KILLED = "killed"
 
 
-@dataclass(frozen=True)
-class ProcessLimits:
-    """Per-process limits (more come with the sandbox work)."""
-
-    memory_bytes: int = 256 * 2**20
-    preds_in_flight: int = 256
-    kv_handles: int = 4096
-    time_slice_ticks: int = 1  # epoch ticks a guest may compute before it yields
-
-
 _pids = itertools.count(1)
 
 
 class Process:
     """Create with `Runtime.spawn`. `on_output(bytes)` receives what the LIP sends; `on_log(str)`
-    its stdout/stderr; `on_exit(process)` runs once when it ends (on its worker's thread)."""
+    its stdout/stderr (kept in `log` only when there is no `on_log`: the caller keeps what it
+    needs); `on_exit(process)` runs once when it ends (on its worker's thread)."""
 
     def __init__(self, program: Program, args: list[str], env: dict[str, str], engine, kv_session,
                  linker: AsyncLinker, limits: ProcessLimits,
                  on_output: Callable[[bytes], None] | None = None,
                  on_log: Callable[[str], None] | None = None,
-                 on_exit: Callable[["Process"], None] | None = None):
+                 on_exit: Callable[["Process"], None] | None = None, tools: ToolRegistry | None = None):
         self.pid = next(_pids)
         self.program = program
         self.args = list(args)
         self.engine = engine
         self.kv = kv_session
+        self.tools = tools if tools is not None else ToolRegistry()  # what the `tool` call may reach
         self.limits = limits
         self.state = ProcessState.RUNNABLE
         self.exit_code: int | None = None
@@ -64,17 +63,17 @@ class Process:
         self._on_log = on_log
         self._on_exit = on_exit
         self._inbox: deque[bytes] = deque()
+        self._inbox_bytes = 0
+        self._inbox_lock = threading.Lock()  # deliver (any thread) and pop_input (the worker)
         self._input_closed = False
         self._kill_reason: str | None = None
         self.ended = threading.Event()
+        self.cpu_time_s = 0.0  # thread CPU time spent advancing this process (guest code and host calls)
+        self.usage = Usage(limits)
         self.hostcalls = HostCalls(self)
         self.store = wasmtime.Store(linker.engine)
-        wasi = wasmtime.WasiConfig()
-        wasi.argv = [program.name, *self.args]
-        wasi.env = list(env.items())
-        # stdout/stderr reach the log through our own fd_write (hostcalls.HostCalls.fd_write).
-        self.store.set_wasi(wasi)
-        self.store.set_limits(memory_size=limits.memory_bytes)
+        self.store.set_wasi(self._wasi_config(program, self.args, env))
+        store_limits(self.store, limits)
         set_time_slice(self.store, limits.time_slice_ticks)
         self._fiber: Fiber | None = linker.start_instantiate(self.store, program.module, owner=self)
         self._instantiating = True
@@ -85,18 +84,32 @@ class Process:
     # ---- I/O, callable from any thread ----
 
     def emit_output(self, data: bytes) -> None:
+        self._charge_output(len(data))
         if self._on_output is not None:
             self._on_output(data)
 
     def capture_log(self, data: bytes) -> None:
+        self._charge_output(len(data))
         text = data.decode("utf-8", "replace")
-        self.log.append(text)
         if self._on_log is not None:
             self._on_log(text)
+        else:
+            self.log.append(text)
 
     def deliver(self, message: bytes) -> None:
-        """A message from the user, for the LIP's next `recv`."""
-        self._inbox.append(bytes(message))
+        """A message from the user, for the LIP's next `recv`. Raises InputClosed once the
+        input was closed or the process ended, LimitExceeded while its unread messages fill
+        the inbox (INBOX_BYTES, INBOX_MESSAGES)."""
+        if self._input_closed or self.ended.is_set():
+            raise InputClosed(f"process {self.pid} {'has ended' if self.ended.is_set() else 'had its input closed'}: "
+                              "it takes no more messages")
+        with self._inbox_lock:
+            if len(self._inbox) >= INBOX_MESSAGES or self._inbox_bytes + len(message) > INBOX_BYTES:
+                raise LimitExceeded(f"process {self.pid} has {len(self._inbox)} unread messages "
+                                    f"({self._inbox_bytes} bytes; at most {INBOX_MESSAGES} and {INBOX_BYTES} bytes): "
+                                    "wait for its output before sending more")
+            self._inbox.append(bytes(message))
+            self._inbox_bytes += len(message)
         self._wake_if(ProcessState.BLOCKED_ON_RECV)
 
     def close_input(self) -> None:
@@ -110,6 +123,14 @@ class Process:
             self._kill_reason = reason
         self.wake(self)
 
+    def _charge_output(self, nbytes: int) -> None:
+        """Output and log count against `output_bytes`: past it the process is killed and the
+        bytes refused (the server keeps unread frames, so this also bounds its memory)."""
+        reason = self.usage.charge_output(nbytes)
+        if reason is not None:
+            self.kill(reason)
+            raise LimitExceeded(reason)
+
     def _wake_if(self, state: ProcessState) -> None:
         if self.state == state:
             self.wake(self)
@@ -121,7 +142,8 @@ class Process:
         return self._inbox[0] if self._inbox else None
 
     def pop_input(self) -> None:
-        self._inbox.popleft()
+        with self._inbox_lock:
+            self._inbox_bytes -= len(self._inbox.popleft())
 
     # ---- used by the host calls while the guest runs ----
 
@@ -153,8 +175,17 @@ class Process:
         """Run the guest until it blocks, yields or ends. Returns "waiting" (blocked, or not
         ready yet), "preempted" (its time slice ended: still runnable), "continue" (it will
         run on at once: instantiation done) or "ended"."""
+        started = time.thread_time()
+        try:
+            return self._advance()
+        finally:
+            self.cpu_time_s += time.thread_time() - started
+
+    def _advance(self) -> str:
         if self.finished:
             return "ended"
+        if self._kill_reason is None:
+            self._kill_reason = self.usage.over_time(self.cpu_time_s)
         if self._kill_reason is not None:
             self._end(ProcessState.KILLED, EXIT_KILLED, self._kill_reason)
             return "ended"
@@ -177,22 +208,38 @@ class Process:
         if fiber.exit_code is not None:
             self._end(ProcessState.EXITED, fiber.exit_code, f"exit {fiber.exit_code}")
         elif fiber.trap is not None:
-            self._end(ProcessState.KILLED, EXIT_TRAPPED, f"trapped: {fiber.trap}")
+            memory_bytes = self._memory.data_len(self.store) if self._memory is not None else None
+            reason = trap_reason(fiber, self.limits, memory_bytes, self._instantiating)
+            self._end(ProcessState.KILLED, EXIT_KILLED if reason.startswith("killed:") else EXIT_TRAPPED, reason)
         elif self._instantiating:
             self._instantiating = False
-            exports = fiber.result[0].exports(self.store)
-            self._memory = exports["memory"]
-            start = exports["_start"]
-            self._fiber = Fiber(self.store, start, owner=self)
+            self._fiber = self._main_fiber(fiber.result[0])
             return "continue"
         else:
-            self._end(ProcessState.EXITED, 0, "exit 0")
+            code = int(fiber.result[0]) if fiber.result else 0  # a component's run() returns it
+            self._end(ProcessState.EXITED, code, f"exit {code}")
         return "ended"
+
+    def _wasi_config(self, program: Program, args: list[str], env: dict[str, str]) -> wasmtime.WasiConfig:
+        wasi = wasmtime.WasiConfig()
+        wasi.argv = [program.name, *args]
+        wasi.env = list(env.items())
+        # stdout/stderr reach the log through our own fd_write (hostcalls.HostCalls.fd_write).
+        return wasi
+
+    def _main_fiber(self, instance: wasmtime.Instance) -> Fiber:
+        """The call that runs the program once instantiated: WASI's `_start`."""
+        exports = instance.exports(self.store)
+        self._memory = exports["memory"]
+        return Fiber(self.store, exports["_start"], owner=self)
 
     def _end(self, state: ProcessState, code: int, reason: str) -> None:
         if self._fiber is not None:
             self._fiber.close()
         self._blocked = None
+        with self._inbox_lock:
+            self._inbox.clear()
+            self._inbox_bytes = 0
         self.kv.close_all()
         self.hostcalls.tickets.clear()
         self.state, self.exit_code, self.end_reason = state, code, reason

@@ -2,8 +2,9 @@
 
 A program is a WASI preview-1 command: it exports `_start` and `memory`, and imports only
 from `symphony` (the calls of wit/symphony.wit, each with its exact signature) and
-`wasi_snapshot_preview1`. Anything else is refused here, with one line saying what is wrong,
-before any process runs.
+`wasi_snapshot_preview1`. Or it is a component (a Python LIP, guest_sdk/python), told apart by
+its binary header and checked by `component.py`. Anything else is refused here, with one line
+saying what is wrong, before any process runs.
 """
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import wasmtime
+import wasmtime.component
 
 from .hostcalls import HostCalls
+from .limits import compiles_within
 
 WASM_MAGIC = b"\x00asm"
 CORE_VERSION = b"\x01\x00\x00\x00"
+COMPONENT_VERSION = b"\x0d\x00\x01\x00"
 MAX_MODULE_BYTES = 64 * 2**20
 WASI_MODULE = "wasi_snapshot_preview1"
 
@@ -30,15 +34,19 @@ class Program:
     name: str
     sha256: str
     size: int
-    module: wasmtime.Module
+    module: wasmtime.Module | wasmtime.component.Component
+
+    @property
+    def is_component(self) -> bool:
+        return isinstance(self.module, wasmtime.component.Component)
 
 
 def _check_header(data: bytes) -> None:
     if len(data) < 8 or data[:4] != WASM_MAGIC:
         raise ProgramError("not a WebAssembly module (no \\0asm magic number)")
-    if data[4:8] != CORE_VERSION:
+    if data[4:8] not in (CORE_VERSION, COMPONENT_VERSION):
         raise ProgramError(f"unsupported WebAssembly binary version {data[4:8].hex()} "
-                           "(a component? only core modules are supported here)")
+                           "(neither a core module nor a component)")
 
 
 def _check_interface(module: wasmtime.Module) -> None:
@@ -64,19 +72,41 @@ def _check_interface(module: wasmtime.Module) -> None:
         raise ProgramError("the module exports no memory")
 
 
-def load_program(engine: wasmtime.Engine, data: bytes, name: str = "program") -> Program:
-    """Validate and compile untrusted bytes."""
+def load_program(engine: wasmtime.Engine, data: bytes, name: str = "program",
+                 compile_time_s: float | None = None) -> Program:
+    """Validate and compile untrusted bytes. With `compile_time_s`, a module or component whose
+    compilation takes longer is refused (timed in a child process: limits.compiles_within)."""
     if len(data) > MAX_MODULE_BYTES:
         raise ProgramError(f"module is {len(data)} bytes; the limit is {MAX_MODULE_BYTES}")
     _check_header(data)
+    if data[4:8] == COMPONENT_VERSION:
+        return _load_component(engine, data, name, compile_time_s)
     try:
         wasmtime.Module.validate(engine, data)
+        if compile_time_s is not None and not compiles_within(data, compile_time_s):
+            raise ProgramError(f"compiling the module took over the limit of {compile_time_s:g} s")
         module = wasmtime.Module(engine, data)
     except wasmtime.WasmtimeError as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else "invalid module"
         raise ProgramError(f"invalid WebAssembly: {first_line}") from None
     _check_interface(module)
     return Program(name=name, sha256=hashlib.sha256(data).hexdigest(), size=len(data), module=module)
+
+
+def _load_component(engine: wasmtime.Engine, data: bytes, name: str, compile_time_s: float | None) -> Program:
+    from .component import CompileTooSlow, check_component, compile_component  # it imports process.py, which imports this
+
+    try:
+        component = compile_component(engine, data, compile_time_s=compile_time_s)
+    except CompileTooSlow as error:
+        raise ProgramError(str(error)) from None
+    except wasmtime.WasmtimeError as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else "invalid component"
+        raise ProgramError(f"invalid WebAssembly component: {first_line}") from None
+    problem = check_component(component, engine)
+    if problem is not None:
+        raise ProgramError(problem)
+    return Program(name=name, sha256=hashlib.sha256(data).hexdigest(), size=len(data), module=component)
 
 
 def load_program_file(engine: wasmtime.Engine, path: str | Path) -> Program:

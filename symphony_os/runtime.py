@@ -16,11 +16,14 @@ from pathlib import Path
 
 import wasmtime
 
+from .component import ComponentLinker, ComponentProcess
 from .engine import Engine
 from .fiber import AsyncLinker, EpochTicker, Pending, Ready, make_async_engine
 from .hostcalls import CALLS, HostCalls, Block
+from .limits import Watchdog
 from .process import Process, ProcessLimits
 from .program import Program, load_program, load_program_file
+from .tools import ToolRegistry, default_tools
 
 BLOCKING_CALLS = ("pred_wait", "recv")
 EPOCH_INTERVAL_S = 0.01
@@ -182,10 +185,12 @@ class Runtime:
     """Runs LIP processes over an `Engine`: `load` programs, `spawn` processes, `wait` for them."""
 
     def __init__(self, engine: Engine, workers: int = 1, limits: ProcessLimits = ProcessLimits(),
-                 drive_in_caller: bool = False):
+                 drive_in_caller: bool = False, tools: ToolRegistry | None = None):
         self.engine = engine
         self.limits = limits
-        self.wasm_engine = make_async_engine(epoch_interruption=True)
+        self.tools = tools if tools is not None else default_tools()  # the operator's tools
+        self.wasm_engine = make_async_engine(epoch_interruption=True, max_wasm_stack_bytes=limits.wasm_stack_bytes,
+                                             consume_fuel=limits.fuel is not None)
         self.linker = AsyncLinker(self.wasm_engine)
         self.linker.define_wasi()
         i32 = wasmtime.ValType.i32()
@@ -203,14 +208,17 @@ class Runtime:
         self.driver.workers = self.workers
         self.processes: dict[int, Process] = {}
         self._ticker = EpochTicker(self.wasm_engine, EPOCH_INTERVAL_S)
+        self._watchdog = Watchdog(lambda: self.processes.values())
         self._started = False
         self._next_worker = 0
+        self.component_linker: ComponentLinker | None = None
 
     def start(self) -> "Runtime":
         if not self._started:
             self._started = True
             tune_gc()
             self._ticker.start()
+            self._watchdog.start()
             for worker in self.workers:
                 worker.thread.start()
             if self.driver.thread is not None:
@@ -232,6 +240,7 @@ class Runtime:
             if self.driver.thread is not None:
                 self.driver.thread.join()
             self._ticker.stop()
+            self._watchdog.stop()
             self._started = False
             untune_gc()
 
@@ -241,23 +250,36 @@ class Runtime:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def load(self, source: str | Path | bytes, name: str = "program") -> Program:
-        """Validate and compile a program from a path or bytes (raises ProgramError)."""
+    def load(self, source: str | Path | bytes, name: str = "program", compile_time_s: float | None = None) -> Program:
+        """Validate and compile a program from a path or bytes (raises ProgramError).
+        `compile_time_s`: refuse a module whose compilation takes longer (untrusted bytes)."""
         if isinstance(source, (bytes, bytearray)):
-            return load_program(self.wasm_engine, bytes(source), name)
+            return load_program(self.wasm_engine, bytes(source), name, compile_time_s=compile_time_s)
         return load_program_file(self.wasm_engine, source)
 
     def spawn(self, program: Program, args: list[str] = (), env: dict[str, str] | None = None,
-              tenant: str = "default", on_output=None, on_log=None, on_exit=None) -> Process:
-        """Start a process of `program`; it runs on one of the workers."""
+              tenant: str = "default", on_output=None, on_log=None, on_exit=None,
+              limits: ProcessLimits | None = None) -> Process:
+        """Start a process of `program`; it runs on one of the workers, under `limits` (default:
+        the runtime's; fuel can be given per process only if the runtime's limits set it)."""
+        limits = limits or self.limits
+        if (limits.fuel is None) != (self.limits.fuel is None) or limits.wasm_stack_bytes != self.limits.wasm_stack_bytes:
+            raise ValueError("fuel on/off and wasm_stack_bytes are the runtime's: set them in Runtime(limits=...)")
         self.start()
-        session = self.engine.kvfs.session(tenant, max_handles=self.limits.kv_handles)
-        process = Process(program, list(args), dict(env or {}), self.engine, session, self.linker, self.limits,
-                          on_output=on_output, on_log=on_log, on_exit=on_exit)
+        session = self.engine.kvfs.session(tenant, max_handles=limits.kv_handles)
+        kind, linker = (ComponentProcess, self._component_linker()) if program.is_component else (Process, self.linker)
+        process = kind(program, list(args), dict(env or {}), self.engine, session, linker, limits,
+                          on_output=on_output, on_log=on_log, on_exit=on_exit, tools=self.tools)
         self.processes[process.pid] = process
         worker = min(self.workers, key=lambda w: len(w.processes))
         worker.add(process)
         return process
+
+    def _component_linker(self) -> ComponentLinker:
+        """The linker for component programs (Python LIPs), made when the first one spawns."""
+        if self.component_linker is None:
+            self.component_linker = ComponentLinker(self.wasm_engine)
+        return self.component_linker
 
     def kill(self, pid: int, reason: str = "killed") -> None:
         self.processes[pid].kill(reason)

@@ -1,10 +1,12 @@
 """What a `pred` call returns, and the logits processing that produces it.
 
-A request asks for one of three things (the `want` of a `PredRequest`):
+A request asks for one of four things (the `want` of a `PredRequest`):
 - `Distribution()`: the full next-token probability distribution (the paper's semantics);
 - `TopK(k)`: the k most likely ids with their log-probabilities;
 - `Sample(...)`: one token (greedy when temperature is 0), after logit bias, an allowed-token
-  mask, temperature, top-k and top-p.
+  mask, temperature, top-k and top-p;
+- `GreedyEach()`: the argmax after every appended token (speculative decoding's verification;
+  the engine answers it itself, from the logits of every row of the request).
 
 `process_logits` answers a batch: on CUDA with batched kernels on the device
 (`process_logits_batched`), elsewhere row by row on the host (`process_logits_reference`, the
@@ -54,7 +56,13 @@ class Sample:
     allowed_tokens: tuple[int, ...] | None = None
 
 
-Want = Distribution | TopK | Sample
+@dataclass(frozen=True)
+class GreedyEach:
+    """Return the greedy (argmax) next token after every appended token: n tokens for n inputs.
+    One such pred verifies a whole speculative draft."""
+
+
+Want = Distribution | TopK | Sample | GreedyEach
 GREEDY = Sample()  # the default: shared, since building a Sample costs more than using one
 
 
@@ -66,6 +74,7 @@ class PredResult:
     """
 
     token: int | None = None
+    tokens: list[int] | None = None  # GreedyEach: one per appended token
     top_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
     distribution: torch.Tensor | None = None
@@ -80,7 +89,7 @@ class PredResult:
 
 def validate_want(want: Want, vocab_size: int) -> None:
     """Raise InvalidArgument for a request that cannot be served."""
-    if want is GREEDY or isinstance(want, Distribution):
+    if want is GREEDY or isinstance(want, (Distribution, GreedyEach)):
         return
     if isinstance(want, TopK):
         if not 1 <= want.k <= vocab_size:

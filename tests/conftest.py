@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,28 @@ def tiny_engine(tiny_llama):
     engine.stop()
     stats = engine.pool.stats()
     assert stats.used == 0 and stats.swapped == 0, f"leaked KV pages: {stats}"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many fuzz inputs ran (tests/test_fuzz.py), so CI logs show the budget spent."""
+    fuzzing = sys.modules.get("fuzzing")
+    for line in getattr(fuzzing, "SUMMARY", []):
+        terminalreporter.write_line(line)
+
+
+def greedy_continuation(engine, prompt: str, max_tokens: int) -> str:
+    """The text greedy decoding appends to `prompt` through the engine's Python API (stops at
+    an end-of-sequence token)."""
+    from symphony_os.sampling import GREEDY
+
+    session = engine.session()
+    handle = session.create()
+    feed, out = engine.tokenize(prompt), []
+    for _ in range(max_tokens):
+        token = engine.pred(session, handle, feed, want=GREEDY).token
+        if token in engine.loaded.eos_token_ids:
+            break
+        out.append(token)
+        feed = [token]
+    session.close_all()
+    return engine.detokenize(out)

@@ -14,7 +14,8 @@ SDK = ROOT / "guest_sdk" / "c"
 
 def build_c(source: Path, out: Path) -> Path:
     """Compile a C LIP; reuses `out` when it is newer than the source and the SDK header."""
-    newest_input = max(source.stat().st_mtime, (SDK / "symphony.h").stat().st_mtime)
+    headers = [SDK / "symphony.h", *source.parent.glob("*.h")]  # lips/gallery.h and friends
+    newest_input = max(path.stat().st_mtime for path in [source, *headers])
     if not out.exists() or out.stat().st_mtime < newest_input:
         subprocess.run([sys.executable, "-m", "ziglang", "cc", "--target=wasm32-wasi", "-O2", "-s",
                         f"-I{SDK}", str(source), "-o", str(out)], check=True)
@@ -28,3 +29,23 @@ def lip(name: str) -> Path:
 
 def wat(text: str) -> bytes:
     return bytes(wasmtime.wat2wasm(text))
+
+
+def build_with_make(program: Path, toolchain: str) -> Path:
+    """lips/rust/NAME.wasm or lips/as/NAME.wasm through `make` (which installs the toolchain:
+    Debian's rustc, or asc from npm); skips, saying why, only when that install fails."""
+    result = subprocess.run(["make", "-s", str(program.relative_to(ROOT))], cwd=ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        if "apt-get" in result.stderr + result.stdout or "npm" in result.stderr + result.stdout:
+            import pytest
+            pytest.skip(f"cannot install the {toolchain} toolchain here: {result.stderr.strip()[-300:]}")
+        raise RuntimeError(f"building {program} failed:\n{result.stdout}\n{result.stderr}")
+    return program
+
+
+def rust_lip(name: str) -> Path:
+    return build_with_make(ROOT / "lips" / "rust" / f"{name}.wasm", "Rust (rustc + libstd-rust-dev-wasm32)")
+
+
+def as_lip(name: str) -> Path:
+    return build_with_make(ROOT / "lips" / "as" / f"{name}.wasm", "AssemblyScript (npm assemblyscript)")

@@ -7,7 +7,8 @@ import torch
 from symphony_os.engine import Engine
 from symphony_os.errors import BadHandle, InvalidArgument, PoolExhausted, PositionError, ReadOnlyFile
 from symphony_os.kvfs import OpenFlags
-from symphony_os.sampling import Distribution, Sample, TopK
+from symphony_os.model_runner import ARGMAX_ROWS
+from symphony_os.sampling import Distribution, GreedyEach, Sample, TopK
 
 PROMPTS = [[1, 5, 9, 17, 33, 65, 3, 12, 100, 7, 8, 9, 10], [1, 40], [1, 90, 91, 92, 93, 94], [1, 7, 7, 7, 7, 7, 7, 7, 7]]
 
@@ -208,3 +209,45 @@ def test_background_thread_serves_many_producers(tiny_engine):
     assert results == expected
     stats = tiny_engine.stats()
     assert stats.batches > 0 and stats.mean_batch_size >= 1 and stats.mean_queue_wait_ms >= 0
+
+
+# ---- greedy each (pred kind 3): the argmax after every appended token ----
+
+def greedy_step_by_step(engine, tokens):
+    """The argmax after each token, one single-token pred at a time."""
+    kv = engine.session()
+    h = kv.create()
+    argmaxes = [int(engine.pred(kv, h, [t], want=Distribution()).probs.argmax()) for t in tokens]
+    kv.close_all()
+    return argmaxes
+
+
+def test_greedy_each_shares_a_batch_with_every_other_kind(tiny_engine):
+    prompt, other = PROMPTS[0], PROMPTS[2]
+    expected = greedy_step_by_step(tiny_engine, prompt)
+    kv = tiny_engine.session()
+    others = [Distribution(), TopK(3), Sample()]
+    alone = [tiny_engine.pred(kv, kv.create(), other, want=want) for want in others]
+    before = tiny_engine.stats().batches
+    futures = [tiny_engine.submit(kv, kv.create(), prompt, want=GreedyEach())] + [
+        tiny_engine.submit(kv, kv.create(), other, want=want) for want in others]
+    tiny_engine.run_until_idle()
+    assert tiny_engine.stats().batches - before == 1
+    each, distribution, top_k, sample = (future.result() for future in futures)
+    assert each.tokens == expected
+    assert torch.allclose(distribution.probs, alone[0].probs, atol=1e-5)
+    assert top_k.top_ids == alone[1].top_ids and sample.token == alone[2].token
+    kv.close_all()
+
+
+def test_greedy_each_over_chunked_prefill_and_many_argmax_slices(tiny_llama):
+    chunked = Engine.from_path(tiny_llama, device="cpu", page_size=4, num_pages=128, token_budget=5)
+    whole = Engine.from_path(tiny_llama, device="cpu", page_size=4, num_pages=128, token_budget=512)
+    draft = [(7 * i + 1) % 128 for i in range(2 * ARGMAX_ROWS + 3)]  # three slices of rows
+    results = []
+    for engine in (chunked, whole):
+        kv = engine.session()
+        results.append(engine.pred(kv, kv.create(), draft, want=GreedyEach()).tokens)
+        kv.close_all()
+    assert results[0] == results[1] == greedy_step_by_step(whole, draft)
+    assert chunked.stats().batches >= len(draft) // 5

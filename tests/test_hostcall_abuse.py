@@ -9,6 +9,7 @@ from guests import wat
 from symphony_os.errors import ErrorCode as E
 from symphony_os.hostcalls import HostCalls
 from symphony_os.runtime import Runtime
+from symphony_os.sampling import GreedyEach
 
 PAGE = 65536  # the guest has one page of memory
 OOB, NEG, HUGE = PAGE - 2, -1, 0x7FFFFFF0
@@ -31,6 +32,15 @@ CASES = [
     ("kv_open", [TEXT, 3, 99], E.INVALID_ARGUMENT), ("kv_open", [TEXT, 3, 0], E.FILE_NOT_FOUND),
     ("kv_open", [TEXT + 4, 4, 1], E.INVALID_ARGUMENT),  # "../x"
     ("kv_remove", [TEXT, 3], E.FILE_NOT_FOUND), ("kv_remove", [OOB, 10], E.BAD_POINTER),
+    ("kv_open_prefix", [NEG, 1], E.BAD_POINTER), ("kv_open_prefix", [OOB, 100], E.BAD_POINTER),
+    ("kv_open_prefix", [GOOD_IDS, 0], E.INVALID_ARGUMENT), ("kv_open_prefix", [GOOD_IDS, HUGE], E.INVALID_ARGUMENT),
+    ("kv_cache_prefix", ["KV"], E.BAD_HANDLE), ("kv_cache_prefix", [NEG], E.BAD_HANDLE),
+    ("tool", [OOB, 4, TEXT, 3, RESULTS + 512, 16], E.BAD_POINTER),
+    ("tool", [TEXT, 0, TEXT, 3, RESULTS + 512, 16], E.INVALID_ARGUMENT),
+    ("tool", [TEXT, 3, TEXT, NEG, RESULTS + 512, 16], E.INVALID_ARGUMENT),
+    ("tool", [TEXT, 3, OOB, 10, RESULTS + 512, 16], E.BAD_POINTER),
+    ("tool", [TEXT, 3, TEXT, 3, OOB, 100], E.BAD_POINTER), ("tool", [TEXT, 3, TEXT, 3, 0, NEG], E.INVALID_ARGUMENT),
+    ("tool", [TEXT, 3, TEXT, 3, RESULTS + 512, 16], E.UNSUPPORTED),  # "abc": no such tool
     ("tokenize", [OOB, 10, 0, RESULTS + 512, 4], E.BAD_POINTER),
     ("tokenize", [TEXT, NEG, 0, RESULTS + 512, 4], E.INVALID_ARGUMENT),
     ("tokenize", [TEXT, 3, 0, OOB, 100], E.BAD_POINTER), ("tokenize", [TEXT, 3, 0, 0, NEG], E.INVALID_ARGUMENT),
@@ -172,3 +182,31 @@ def test_memory_that_grows_between_calls_is_seen_whole(tiny_engine):
         proc = runtime.spawn(runtime.load(module, "grow"), on_output=out.append)
         assert runtime.wait(proc, 30) == 0, proc.end_reason
     assert out == [b"one!"]
+
+
+def test_greedy_each_into_a_short_buffer_is_buffer_too_small_and_the_ticket_stays(tiny_engine):
+    module = wat("""(module
+      (import "symphony" "kv_create" (func $kv_create (result i32)))
+      (import "symphony" "kv_close" (func $kv_close (param i32) (result i32)))
+      (import "symphony" "pred_submit" (func $submit (param i32 i32 i32 i32 i32 i32) (result i32)))
+      (import "symphony" "pred_wait" (func $wait (param i32 i32 i32) (result i32)))
+      (import "symphony" "send" (func $send (param i32 i32) (result i32)))
+      (memory (export "memory") 1)
+      (data (i32.const 16) "\\01\\00\\00\\00\\05\\00\\00\\00\\09\\00\\00\\00")
+      (func (export "_start") (local $kv i32) (local $ticket i32)
+        (local.set $kv (call $kv_create))
+        (local.set $ticket (call $submit (local.get $kv) (i32.const 16) (i32.const 0) (i32.const 3)
+                                         (i32.const 3) (i32.const 0)))
+        (i32.store (i32.const 0) (call $wait (local.get $ticket) (i32.const 8) (i32.const 2)))
+        (i32.store (i32.const 4) (call $wait (local.get $ticket) (i32.const 8) (i32.const 3)))
+        (drop (call $kv_close (local.get $kv)))
+        (drop (call $send (i32.const 0) (i32.const 20)))))""")
+    with Runtime(tiny_engine) as runtime:
+        out = []
+        proc = runtime.spawn(runtime.load(module, "greedy-each"), on_output=out.append)
+        assert runtime.wait(proc, 60) == 0, proc.end_reason
+    too_small, count, *tokens = struct.unpack("<5i", b"".join(out))
+    assert (too_small, count) == (E.BUFFER_TOO_SMALL, 3)
+    kv = tiny_engine.session()
+    assert tokens == tiny_engine.pred(kv, kv.create(), [1, 5, 9], want=GreedyEach()).tokens
+    kv.close_all()

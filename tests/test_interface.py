@@ -29,3 +29,108 @@ def test_c_header_imports_match_wit():
     for f in functions:
         params = [p for p in imports[f.core_name].split(",") if p.strip() and p.strip() != "void"]
         assert len(params) == len(f.params), f"{f.core_name}: header has {params}, WIT has {f.params}"
+
+
+RUST = (ROOT / "guest_sdk" / "rust" / "symphony.rs").read_text()
+ASSEMBLYSCRIPT = (ROOT / "guest_sdk" / "assemblyscript" / "symphony.ts").read_text()
+
+
+def _camel(kebab: str) -> str:
+    return "".join(part.capitalize() for part in kebab.split("-"))
+
+
+def test_rust_imports_match_wit():
+    functions, _ = read_wit()
+    block = RUST[RUST.index('#[link(wasm_import_module = "symphony")]'):]
+    block = block[:block.index("\n    }\n")]
+    imports = dict(re.findall(r"pub fn (\w+)\(([^)]*)\) -> i32;", block))
+    assert set(imports) == {f.core_name for f in functions}
+    for f in functions:
+        names = [p.split(":")[0].strip() for p in imports[f.core_name].split(",") if p.strip()]
+        assert names == [p.replace("-", "_") for p in f.params], f.core_name
+
+
+def test_rust_error_codes_match_wit():
+    _, cases = read_wit()
+    variants = re.findall(r"^\s+(\w+) = (-\d+),$", RUST, re.M)
+    assert variants == [(_camel(c), str(-(i + 1))) for i, c in enumerate(cases)]
+    table = re.search(r"const ERRORS: \[Error; (\d+)\] = \[(.*?)\];", RUST, re.S)
+    assert int(table.group(1)) == len(cases)
+    assert re.findall(r"Error::(\w+)", table.group(2)) == [_camel(c) for c in cases]
+
+
+def test_assemblyscript_imports_match_wit():
+    functions, _ = read_wit()
+    imports = {name: (declared, params) for name, declared, params in re.findall(
+        r'@external\("symphony", "(\w+)"\) export declare function (\w+)\(([^)]*)\): i32;', ASSEMBLYSCRIPT)}
+    assert set(imports) == {f.core_name for f in functions}
+    for f in functions:
+        declared, params = imports[f.core_name]
+        names = [p.split(":")[0].strip() for p in params.split(",") if p.strip()]
+        assert declared == f.core_name and names == [p.replace("-", "_") for p in f.params], f.core_name
+
+
+def test_assemblyscript_error_codes_match_wit():
+    _, cases = read_wit()
+    enum = ASSEMBLYSCRIPT[ASSEMBLYSCRIPT.index("export enum ErrorCode"):]
+    enum = enum[:enum.index("}")]
+    assert re.findall(r"(\w+) = (-\d+),", enum) == [(_camel(c), str(-(i + 1))) for i, c in enumerate(cases)]
+    names = re.search(r"const ERROR_NAMES: string\[\] = \[(.*?)\];", ASSEMBLYSCRIPT, re.S).group(1)
+    assert re.findall(r'"([\w-]+)"', names) == cases
+
+
+
+# ---- the constants each SDK copies: pred kinds, kv-open and kv-hint flags, the sampling record ----
+
+PYTHON_SDK = (ROOT / "guest_sdk" / "python" / "symphony.py").read_text()
+PYTHON_WIT = (ROOT / "guest_sdk" / "python" / "wit" / "symphony.wit").read_text()
+
+
+def _host_constants() -> dict[str, int]:
+    from symphony_os import hostcalls
+    from symphony_os.kvfs import OpenFlags
+
+    return {"PRED_DIST": hostcalls.KIND_DISTRIBUTION, "PRED_TOPK": hostcalls.KIND_TOPK,
+            "PRED_SAMPLE": hostcalls.KIND_SAMPLE, "PRED_GREEDY_EACH": hostcalls.KIND_GREEDY_EACH,
+            "KV_CREATE": OpenFlags.CREATE, "KV_EXCLUSIVE": OpenFlags.EXCLUSIVE, "KV_READ_ONLY": OpenFlags.READ_ONLY,
+            "HINT_PINNED": 1, "HINT_DROP_ON_CLOSE": 2}
+
+
+def test_sdk_constants_match_the_host():
+    expected = _host_constants()
+    assert list(expected.values())[:4] == [0, 1, 2, 3]
+    c = {name: int(value) for name, value in re.findall(r"#define SYM_(\w+) (\d+)\n", HEADER)}
+    rust = {name: int(value) for name, value in re.findall(r"const (\w+): i32 = (\d+);", RUST)}
+    assemblyscript = {name: int(value) for name, value in re.findall(r"const (\w+): i32 = (\d+);", ASSEMBLYSCRIPT)}
+    for sdk in (c, rust, assemblyscript):
+        assert {name: sdk.get(name) for name in expected} == expected
+    # The Python world: `want` cases in kind order, and the SDK's flag values.
+    cases = re.search(r"variant want \{(.*?)\}", PYTHON_WIT, re.S).group(1)
+    assert re.findall(r"([\w-]+)[(,]", cases) == ["distribution", "top-k", "sample", "greedy-each"]
+    assert re.search(r"CREATE, EXCLUSIVE, READ_ONLY = (\d+), (\d+), (\d+)", PYTHON_SDK).groups() == ("1", "2", "4")
+    assert re.search(r"PINNED, DROP_ON_CLOSE = (\d+), (\d+)", PYTHON_SDK).groups() == ("1", "2")
+    # What the WIT documents.
+    wit = (ROOT / "wit" / "symphony.wit").read_text()
+    assert "flags: 1 create, 2 exclusive, 4 read-only" in wit and "flags: 1 pinned, 2 drop on close" in wit
+
+
+def test_sampling_record_layout_is_the_same_in_every_sdk():
+    """The host's struct format, C's field order, Rust's #[repr(C)] struct, AssemblyScript's offsets."""
+    from symphony_os.hostcalls import SAMPLING_RECORD
+
+    assert SAMPLING_RECORD.format == "<ffiiQiiiii4x" and SAMPLING_RECORD.size == 48
+    fields = ["temperature", "top_p", "top_k", "has_seed", "seed", "allowed", "n_allowed", "bias_ids",
+              "bias_values", "n_bias", "reserved"]
+    sizes = [4, 4, 4, 4, 8, 4, 4, 4, 4, 4, 4]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    struct_c = HEADER[HEADER.index("typedef struct sym_sampling {"):HEADER.index("} sym_sampling;")]
+    assert re.findall(r"\*?(\w+);", struct_c) == fields
+    struct_rust = RUST[RUST.index("struct SamplingRecord {"):]
+    struct_rust = struct_rust[:struct_rust.index("}")]
+    assert re.findall(r"(\w+): [iuf](?:32|64),", struct_rust) == fields
+    assert re.findall(r"(\w+): ([iuf]\d+),", struct_rust)[4][1] == "u64"
+    record = ASSEMBLYSCRIPT[ASSEMBLYSCRIPT.index("export class Sampling"):]
+    record = record[:record.index("\n  }\n")]
+    stores = re.findall(r"store<(\w+)>\(p, [^;]*?(?:, (\d+))?\);", record)
+    assert [int(offset or 0) for _, offset in stores] == offsets
+    assert [kind for kind, _ in stores][4] == "u64"

@@ -360,3 +360,26 @@ def test_stat_reports_file(fs):
         kv.set_hints(h, colour="red")
     kv.close_all()
     kv.remove("s")
+
+
+def test_page_quota_counts_forked_pages_once_and_evicts_the_tenants_own_cache_first(fs, clock):
+    fs.page_quota["t"] = 4
+    kv = fs.session("t")
+    root = kv.create()
+    write(fs, kv, root, 3 * PAGE)
+    forks = [kv.fork(root) for _ in range(3)]  # 3 pages, however many files share them
+    assert fs.pages_of("t") == 3
+    with fs.lock:  # a host-side cache of t (owner "t:prefix") shares the same pages
+        fs.save_copy(kv.file_of(root), 0, 2 * PAGE, "t:prefix", "block")
+    assert fs.pages_of("t") == 3
+    for fork in forks:
+        kv.close(fork)
+    write(fs, kv, root, 1)  # the 4th page fits
+    kv.truncate(root, PAGE)
+    clock.now += 1
+    write(fs, kv, root, 3 * PAGE)  # 3 new pages: the cache's 2nd page must go for them
+    assert fs.pages_of("t") == 4 and fs.lookup("t:prefix", "block") is None
+    with pytest.raises(LimitExceeded, match="KV page quota"):
+        write(fs, kv, root, PAGE)
+    kv.close(root)
+    assert fs.pages_of("t") == 0

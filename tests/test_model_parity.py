@@ -34,8 +34,8 @@ def _our_logits(engine: Engine, prompt: list[int], steps: int) -> tuple[list[tor
     return logits, tokens
 
 
-def _reference_logits(path, prompt: list[int], tokens: list[int], device: str) -> list[torch.Tensor]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+def _reference_logits(model, prompt: list[int], tokens: list[int], device: str) -> list[torch.Tensor]:
+    model = model.to(device)
     ids = torch.tensor([prompt + tokens[:-1]], device=device)
     with torch.no_grad():
         logits = model(ids).logits[0]
@@ -46,10 +46,13 @@ ON_CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_availa
 
 
 def assert_matches_transformers(path, prompt: list[int], steps: int = 20, device: str = "cpu",
-                                **engine_kwargs) -> None:
+                                reference_model=None, **engine_kwargs) -> None:
+    """`reference_model`: transformers' model on the same weights (default: loaded from `path`)."""
     engine = Engine.from_path(path, device=device, dtype="float32", **engine_kwargs)
     ours, tokens = _our_logits(engine, prompt, steps)
-    reference = _reference_logits(path, prompt, tokens, device)
+    if reference_model is None:
+        reference_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    reference = _reference_logits(reference_model, prompt, tokens, device)
     assert len(ours) == len(reference) == steps + 1
     for step, (a, b) in enumerate(zip(ours, reference)):
         err = (a - b).abs().max().item()

@@ -47,6 +47,7 @@ extern "C" {
 #define SYM_PRED_DIST 0
 #define SYM_PRED_TOPK 1
 #define SYM_PRED_SAMPLE 2
+#define SYM_PRED_GREEDY_EACH 3
 
 typedef int32_t sym_kv;      /* a KV file handle (> 0), or a negative error */
 typedef int32_t sym_ticket;  /* a pred in flight (> 0), or a negative error */
@@ -87,10 +88,13 @@ SYM_IMPORT(kv_truncate) int32_t __sym_kv_truncate(int32_t kv, int32_t len);
 SYM_IMPORT(kv_close) int32_t __sym_kv_close(int32_t kv);
 SYM_IMPORT(kv_remove) int32_t __sym_kv_remove(const char *path, int32_t len);
 SYM_IMPORT(kv_hint) int32_t __sym_kv_hint(int32_t kv, int32_t flags, int32_t keep_for_ms, int32_t priority);
+SYM_IMPORT(kv_open_prefix) int32_t __sym_kv_open_prefix(const int32_t *ids, int32_t n);
+SYM_IMPORT(kv_cache_prefix) int32_t __sym_kv_cache_prefix(int32_t kv);
 SYM_IMPORT(pred_submit) int32_t __sym_pred_submit(int32_t kv, const int32_t *ids, const int32_t *pos, int32_t n, int32_t kind, int32_t arg);
 SYM_IMPORT(pred_wait) int32_t __sym_pred_wait(int32_t ticket, void *out, int32_t cap);
 SYM_IMPORT(send) int32_t __sym_send(const char *msg, int32_t len);
 SYM_IMPORT(recv) int32_t __sym_recv(char *buf, int32_t cap);
+SYM_IMPORT(tool) int32_t __sym_tool(const char *name, int32_t name_len, const char *input, int32_t input_len, char *out, int32_t cap);
 
 /* ---- the SDK ---- */
 
@@ -124,6 +128,10 @@ static inline int sym_kv_truncate(sym_kv kv, int len) { return __sym_kv_truncate
 static inline int sym_kv_close(sym_kv kv) { return __sym_kv_close(kv); }
 static inline int sym_kv_remove(const char *path) { return __sym_kv_remove(path, (int32_t)strlen(path)); }
 static inline int sym_kv_hint(sym_kv kv, int flags, int keep_for_ms, int priority) { return __sym_kv_hint(kv, flags, keep_for_ms, priority); }
+/* Automatic prefix reuse: a new file with the longest cached prefix of ids (sym_kv_len says how
+   long); after appending to it, sym_kv_cache_prefix offers its whole pages to the cache. */
+static inline sym_kv sym_kv_open_prefix(const int32_t *ids, int n) { return __sym_kv_open_prefix(ids, n); }
+static inline int sym_kv_cache_prefix(sym_kv kv) { return __sym_kv_cache_prefix(kv); }
 
 /* Prediction, in flight: submit several, then wait for each; they share a batch.
    `pos` may be NULL to continue the file's positions. */
@@ -151,6 +159,13 @@ static inline int sym_pred_wait_topk(sym_ticket t, int32_t *ids, float *logprobs
     return got;
 }
 
+/* Speculative verification: append n tokens and get the greedy next token after each of them
+   (out[i] follows ids[i]; cap >= n); returns n. One forward pass checks a whole draft. */
+static inline int sym_pred_greedy_each(sym_kv kv, const int32_t *ids, const int32_t *pos, int n, int32_t *out, int cap) {
+    sym_ticket t = __sym_pred_submit(kv, ids, pos, n, SYM_PRED_GREEDY_EACH, 0);
+    return t < 0 ? t : __sym_pred_wait(t, out, cap);
+}
+
 /* Prediction, blocking: append n tokens to kv and write the next-token distribution over the
    vocabulary into dist (cap floats); returns the vocabulary size. */
 static inline int sym_pred(sym_kv kv, const int32_t *ids, const int32_t *pos, int n, float *dist, int cap) {
@@ -172,6 +187,13 @@ static inline int sym_send(const char *msg, int len) { return __sym_send(msg, le
 static inline int sym_send_str(const char *msg) { return __sym_send(msg, (int32_t)strlen(msg)); }
 /* Blocks for the next message; returns its length, SYM_ETOOSMALL (kept) or SYM_ECLOSED. */
 static inline int sym_recv(char *buf, int cap) { return __sym_recv(buf, cap); }
+
+/* Tools the operator registered (e.g. "calculator", "docs"), run inside the server. Writes up
+   to cap bytes of the output; returns its full length, SYM_EUNSUPPORTED (no such tool) or
+   SYM_EINVAL (the tool refused the input). */
+static inline int sym_tool(const char *name, const char *input, char *out, int cap) {
+    return __sym_tool(name, (int32_t)strlen(name), input, (int32_t)strlen(input), out, cap);
+}
 
 #ifdef __cplusplus
 }

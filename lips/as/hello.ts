@@ -1,0 +1,26 @@
+// hello (AssemblyScript): the paper's basic autoregressive decoding, as lips/hello.c.
+// Usage: hello [PROMPT] [MAX_TOKENS]. The next-token distribution comes to the guest, which
+// takes its argmax and streams the text: the same tokens as the C and Rust builds.
+import { args, Context, detokenizeIds, sendText } from "../../guest_sdk/assemblyscript/symphony";
+
+let sent = 0;
+
+function stream(c: Context): void {
+  const text = c.text();
+  const bytes = String.UTF8.byteLength(text);
+  if (bytes > sent) {
+    const data = Uint8Array.wrap(String.UTF8.encode(text));
+    sendText(String.UTF8.decode(data.slice(sent).buffer));
+    sent = bytes;
+  }
+}
+
+const argv = args();
+const prompt = argv.length > 1 ? argv[1] : "Once upon a time";
+const maxTokens = argv.length > 2 ? I32.parseInt(argv[2]) : 32;
+const context = Context.create();
+context.fill(prompt);
+stream(context);
+context.generate(maxTokens, null, true, stream);
+sendText("\n");
+context.close();

@@ -1,0 +1,279 @@
+/* complete: text completion as a LIP. The OpenAI-compatible endpoints (/v1/completions,
+ * /v1/chat/completions) run this program; symphony_os/completion.py speaks its protocol.
+ *
+ * Input, one message (little-endian):
+ *   header { i32 n_prompt, max_tokens, n, logprobs (-1: none, else top-k 0..20);
+ *            f32 temperature, top_p; i32 has_seed, n_stop; u64 seed }   40 bytes
+ *   i32 prompt[n_prompt]; then n_stop times { i32 len; len bytes }
+ * Output, one message per event (i32 words):
+ *   FRAME_PROMPT  { tag, n_prompt, cached }          prompt tokens and how many came from the cache
+ *   FRAME_TOKEN   { tag, branch, token, f32 logprob, k, i32 ids[k], f32 logprobs[k] }
+ *   FRAME_FINISH  { tag, branch, reason, text_end }  reason 0 stop (EOS or stop string), 1 length;
+ *                                                    text_end: bytes of the branch's text to keep, -1 all
+ * The prompt's KV starts from the longest cached prefix (kv_open_prefix); the prompt's whole
+ * pages, and at the end the completion's, are offered back to the cache (kv_cache_prefix).
+ * n > 1 forks the prompt once per branch and decodes all branches in the same batches.
+ * Tokens are sampled on the host; when log-probabilities are asked for, the program takes the
+ * full distribution and samples itself (same temperature / top-p semantics).
+ * Exit codes: 0 done, 1 a host call failed, 2 malformed request, 3 a host call was refused by
+ * a limit or quota (LIMIT_EXCEEDED; the server answers 403). */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include "symphony.h"
+
+enum { FRAME_PROMPT = 1, FRAME_TOKEN = 2, FRAME_FINISH = 3 };
+enum { FINISH_STOP = 0, FINISH_LENGTH = 1 };
+enum { EXIT_FAILED = 1, EXIT_MALFORMED = 2, EXIT_LIMIT = 3 };
+#define MAX_REQUEST (4 << 20)
+#define MAX_BRANCHES 16
+#define MAX_TOP 20
+#define MAX_STOPS 8
+
+typedef struct {
+    int32_t n_prompt, max_tokens, n, logprobs;
+    float temperature, top_p;
+    int32_t has_seed, n_stop;
+    uint64_t seed;
+} request;
+_Static_assert(sizeof(request) == 40, "request header is 40 bytes");
+
+typedef struct {
+    sym_kv kv;
+    int32_t *ids;     /* generated tokens */
+    int len;
+    int done;
+    char *text;       /* detokenized ids, when stop strings are checked */
+    int text_cap;
+} branch;
+
+static request req;
+static const char *stops[MAX_STOPS];
+static int stop_lens[MAX_STOPS];
+static float *dist;
+static int vocab;
+
+static void send_words(const int32_t *words, int n) { sym_send((const char *)words, 4 * n); }
+
+static void finish(int b, int reason, int text_end) {
+    int32_t f[4] = {FRAME_FINISH, b, reason, text_end};
+    send_words(f, 4);
+}
+
+/* Report a failed host call; the exit code tells a refusal by a limit from other failures. */
+static int failed(const char *what, int code) {
+    fprintf(stderr, "complete: %s failed with %d\n", what, code);
+    return code == SYM_ELIMIT ? EXIT_LIMIT : EXIT_FAILED;
+}
+
+static uint64_t splitmix(uint64_t *state) {
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static int by_prob_desc(const void *a, const void *b) {
+    float pa = dist[*(const int32_t *)a], pb = dist[*(const int32_t *)b];
+    return pa < pb ? 1 : pa > pb ? -1 : *(const int32_t *)a - *(const int32_t *)b;
+}
+
+/* Sample from dist (a probability distribution) with temperature and top-p, in the guest. */
+static int32_t sample_in_guest(uint64_t seed) {
+    int32_t best = 0;
+    for (int i = 1; i < vocab; i++) if (dist[i] > dist[best]) best = i;
+    if (req.temperature <= 0) return best;
+    static int32_t order[1 << 18];
+    static double weight[1 << 18];
+    for (int i = 0; i < vocab; i++) order[i] = i;
+    qsort(order, vocab, sizeof order[0], by_prob_desc);
+    double total = 0, kept = 0;
+    int n = 0;
+    for (; n < vocab; n++) { /* top-p over the untempered probabilities, like the host */
+        if (n > 0 && kept >= req.top_p) break;
+        kept += dist[order[n]];
+    }
+    for (int i = 0; i < n; i++) {
+        weight[i] = dist[order[i]] > 0 ? exp(log((double)dist[order[i]]) / req.temperature) : 0;
+        total += weight[i];
+    }
+    uint64_t state = seed;
+    double r = (double)(splitmix(&state) >> 11) / 9007199254740992.0 * total;
+    for (int i = 0; i < n; i++) {
+        r -= weight[i];
+        if (r < 0) return order[i];
+    }
+    return order[n - 1];
+}
+
+static void send_token(int b, int32_t token) {
+    static int32_t frame[5 + 2 * MAX_TOP];
+    int k = 0;
+    float logprob = 0;
+    if (req.logprobs >= 0) {
+        logprob = logf(dist[token] > 0 ? dist[token] : 1e-45f);
+        k = req.logprobs;
+        /* the k most likely ids: k passes, each taking the best not yet taken */
+        for (int j = 0; j < k; j++) {
+            int32_t best = -1;
+            for (int i = 0; i < vocab; i++) {
+                int taken = 0;
+                for (int q = 0; q < j; q++) if (frame[5 + q] == i) { taken = 1; break; }
+                if (!taken && (best < 0 || dist[i] > dist[best])) best = i;
+            }
+            frame[5 + j] = best;
+            float lp = logf(dist[best] > 0 ? dist[best] : 1e-45f);
+            memcpy(&frame[5 + k + j], &lp, 4);
+        }
+    }
+    frame[0] = FRAME_TOKEN;
+    frame[1] = b;
+    frame[2] = token;
+    memcpy(&frame[3], &logprob, 4);
+    frame[4] = k;
+    send_words(frame, 5 + 2 * k);
+}
+
+/* Where the first stop string starts in the branch's text, or -1. */
+static int find_stop(branch *br) {
+    int len = sym_detokenize(br->ids, br->len, br->text, br->text_cap - 1);
+    if (len < 0) return -1;
+    if (len >= br->text_cap) {
+        br->text_cap = len + 4096;
+        br->text = realloc(br->text, br->text_cap);
+        len = sym_detokenize(br->ids, br->len, br->text, br->text_cap - 1);
+    }
+    br->text[len] = 0;
+    int first = -1;
+    for (int s = 0; s < req.n_stop; s++) {
+        for (int at = 0; at + stop_lens[s] <= len; at++) {
+            if (memcmp(br->text + at, stops[s], stop_lens[s]) == 0) {
+                if (first < 0 || at < first) first = at;
+                break;
+            }
+        }
+    }
+    return first;
+}
+
+static int read_request(char *buf) {
+    int got = sym_recv(buf, MAX_REQUEST);
+    if (got < (int)sizeof req) return -1;
+    memcpy(&req, buf, sizeof req);
+    if (req.n_prompt < 1 || req.n < 1 || req.n > MAX_BRANCHES || req.max_tokens < 0 || req.logprobs > MAX_TOP
+        || req.n_stop < 0 || req.n_stop > MAX_STOPS || (size_t)got < sizeof req + 4 * (size_t)req.n_prompt)
+        return -1;
+    size_t at = sizeof req + 4 * (size_t)req.n_prompt;
+    for (int s = 0; s < req.n_stop; s++) {
+        int32_t len;
+        if (at + 4 > (size_t)got) return -1;
+        memcpy(&len, buf + at, 4);
+        at += 4;
+        if (len < 1 || at + (size_t)len > (size_t)got) return -1;
+        stops[s] = buf + at;
+        stop_lens[s] = len;
+        at += len;
+    }
+    return 0;
+}
+
+int main(void) {
+    static char buf[MAX_REQUEST];
+    if (read_request(buf) < 0) {
+        fprintf(stderr, "complete: malformed request\n");
+        return EXIT_MALFORMED;
+    }
+    const int32_t *prompt = (const int32_t *)(buf + sizeof req);
+    vocab = sym_vocab_size();
+    if (req.logprobs >= 0 && (vocab <= 0 || vocab > (1 << 18) || !(dist = malloc(sizeof(float) * vocab)))) {
+        fprintf(stderr, "complete: cannot hold a distribution over %d tokens\n", vocab);
+        return EXIT_FAILED;
+    }
+
+    sym_kv root = sym_kv_open_prefix(prompt, req.n_prompt);
+    int cached = root < 0 ? root : sym_kv_len(root);
+    if (root < 0 || cached < 0) return failed("kv_open_prefix", root < 0 ? root : cached);
+    int32_t head[3] = {FRAME_PROMPT, req.n_prompt, cached};
+    send_words(head, 3);
+
+    /* One branch: it feeds the rest of the prompt into the root file itself. Several: the
+       prompt but its last token goes into the root, each branch forks it and feeds that token. */
+    branch br[MAX_BRANCHES];
+    const int32_t *feed[MAX_BRANCHES];
+    int feed_len[MAX_BRANCHES];
+    int rest = req.n_prompt - cached;
+    if (req.n > 1 && rest > 1) {
+        sym_ticket t = sym_pred_submit_sample(root, prompt + cached, NULL, rest - 1, NULL);
+        int32_t r = t < 0 ? t : sym_pred_wait_sample(t);
+        if (r < 0) return failed("prefill", r);
+        sym_kv_cache_prefix(root);
+        cached = req.n_prompt - 1;
+        rest = 1;
+    }
+    for (int b = 0; b < req.n; b++) {
+        br[b].kv = req.n == 1 ? root : sym_kv_fork(root);
+        if (br[b].kv < 0) return failed("fork", br[b].kv);
+        br[b].ids = malloc(sizeof(int32_t) * (req.max_tokens + 1));
+        br[b].len = 0;
+        br[b].done = req.max_tokens == 0;
+        br[b].text_cap = req.n_stop ? 4096 : 0;
+        br[b].text = req.n_stop ? malloc(br[b].text_cap) : NULL;
+        feed[b] = prompt + cached;
+        feed_len[b] = rest;
+        if (br[b].done) finish(b, FINISH_LENGTH, -1);
+    }
+
+    sym_ticket tickets[MAX_BRANCHES];
+    for (int step = 0; step < req.max_tokens; step++) {
+        int live = 0;
+        for (int b = 0; b < req.n; b++) {
+            if (br[b].done) continue;
+            uint64_t seed = req.seed + (uint64_t)b * (uint64_t)req.max_tokens + (uint64_t)step;
+            if (req.logprobs >= 0) {
+                tickets[b] = sym_pred_submit(br[b].kv, feed[b], NULL, feed_len[b]);
+            } else {
+                sym_sampling s = {req.temperature, req.top_p, 0, req.has_seed, seed, NULL, 0, NULL, NULL, 0, 0};
+                tickets[b] = sym_pred_submit_sample(br[b].kv, feed[b], NULL, feed_len[b], &s);
+            }
+            live++;
+        }
+        if (!live) break;
+        for (int b = 0; b < req.n; b++) {
+            if (br[b].done) continue;
+            int32_t token;
+            if (req.logprobs >= 0) {
+                int got = sym_pred_wait(tickets[b], dist, vocab);
+                if (got < 0) return failed("pred", got);
+                uint64_t state = req.seed + (uint64_t)b * (uint64_t)req.max_tokens + (uint64_t)step;
+                if (!req.has_seed) getentropy(&state, sizeof state);
+                token = sample_in_guest(splitmix(&state));
+            } else {
+                token = sym_pred_wait_sample(tickets[b]);
+                if (token < 0) return failed("pred", token);
+            }
+            if (step == 0 && b == 0 && req.n == 1) sym_kv_cache_prefix(root);
+            if (sym_is_eos(token)) {
+                br[b].done = 1;
+                finish(b, FINISH_STOP, -1);
+                continue;
+            }
+            br[b].ids[br[b].len++] = token;
+            send_token(b, token);
+            int stop_at = req.n_stop ? find_stop(&br[b]) : -1;
+            if (stop_at >= 0) {
+                br[b].done = 1;
+                finish(b, FINISH_STOP, stop_at);
+            } else if (br[b].len == req.max_tokens) {
+                br[b].done = 1;
+                finish(b, FINISH_LENGTH, -1);
+            }
+            feed[b] = &br[b].ids[br[b].len - 1];
+            feed_len[b] = 1;
+        }
+    }
+    if (req.n == 1) sym_kv_cache_prefix(root);
+    return 0;
+}

@@ -1,0 +1,172 @@
+"""The client commands of the `symphony` CLI (`upload`, `launch`, `ps`, `kill`, `kv ls|rm`),
+talking to `symphony serve` through `symphony_os.client`. Each takes --server and --token
+(or $SYMPHONY_SERVER and $SYMPHONY_TOKEN)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+from pathlib import Path
+
+import click
+
+from .client import DEFAULT_SERVER, AsyncClient, Client, ServerError
+
+
+def _server_options(func):
+    func = click.option("--token", envvar="SYMPHONY_TOKEN", default=None,
+                        help="Bearer token of your tenant (or $SYMPHONY_TOKEN).")(func)
+    return click.option("--server", envvar="SYMPHONY_SERVER", default=DEFAULT_SERVER, show_default=True,
+                        help="Server URL (or $SYMPHONY_SERVER).")(func)
+
+
+def _fail(error: Exception) -> None:
+    reason = error.reason if isinstance(error, ServerError) else str(error)
+    prefix = f"server refused ({error.status})" if isinstance(error, ServerError) else "cannot reach the server"
+    raise click.ClickException(f"{prefix}: {reason}")
+
+
+def _calling(server: str, token: str | None, call):
+    try:
+        with Client(server, token) as client:
+            return call(client)
+    except (ServerError, OSError) as error:
+        _fail(error)
+    except Exception as error:  # httpx transport errors
+        if type(error).__module__.startswith("httpx"):
+            _fail(error)
+        raise
+
+
+@click.command()
+@click.argument("program", type=click.Path(dir_okay=False, exists=True))
+@click.option("--name", default=None, help="Name shown in listings (default: the file's stem).")
+@_server_options
+def upload(program, name, server, token):
+    """Upload PROGRAM.wasm; prints its sha256."""
+    stored = _calling(server, token, lambda c: c.upload(program, name))
+    click.echo(stored["sha256"])
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.argument("program")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.option("--env", "env_pairs", multiple=True, metavar="NAME=VALUE", help="Environment variable for the program.")
+@click.option("--detach", is_flag=True, help="Print the pid and leave the process running.")
+@click.option("--verbose", "-v", is_flag=True, help="Copy the program's log to stderr.")
+@_server_options
+def launch(program, args, env_pairs, detach, verbose, server, token):
+    """Launch PROGRAM (a sha256 or a .wasm file, uploaded first) with ARGS after --; stream its
+    output to stdout and stdin lines to its recv. The exit code is the program's."""
+    env = {}
+    for pair in env_pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{pair!r} is not NAME=VALUE", param_hint="--env")
+        env[key] = value
+    try:
+        code = asyncio.run(_launch(server, token, program, list(args), env, detach, verbose))
+    except (ServerError, OSError) as error:
+        _fail(error)
+    sys.exit(code)
+
+
+async def _launch(server, token, program, args, env, detach, verbose) -> int:
+    async with AsyncClient(server, token) as client:
+        if Path(program).is_file():
+            program = (await client.upload(program))["sha256"]
+        info = await client.launch(program, args, env, detached=detach)
+        if detach:
+            click.echo(info["pid"])
+            return 0
+        stream = await client.attach(info["pid"])
+        loop = asyncio.get_running_loop()
+        lines: asyncio.Queue = asyncio.Queue()
+
+        def read_stdin() -> None:
+            for line in sys.stdin:
+                loop.call_soon_threadsafe(lines.put_nowait, line.rstrip("\n"))
+            loop.call_soon_threadsafe(lines.put_nowait, None)
+
+        async def forward() -> None:
+            while (line := await lines.get()) is not None:
+                await stream.send(line)
+            await stream.close_input()
+
+        threading.Thread(target=read_stdin, name="stdin", daemon=True).start()
+        forwarding = asyncio.create_task(forward())
+        end = {"code": 1, "reason": "the connection closed before the process ended"}
+        out = sys.stdout.buffer
+        try:
+            async for frame in stream:
+                if frame["type"] == "output":
+                    out.write(frame["data"])
+                    out.flush()
+                elif frame["type"] == "log" and verbose:
+                    sys.stderr.write(frame["text"])
+                elif frame["type"] == "exit":
+                    end = frame
+        finally:
+            forwarding.cancel()
+            await stream.close()
+        if not str(end.get("reason", "")).startswith("exit"):
+            click.echo(f"symphony launch: process {info['pid']} {end['reason']}", err=True)
+        return end["code"]
+
+
+@click.command()
+@click.option("--all", "-a", "show_all", is_flag=True, help="Include processes that ended recently.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@_server_options
+def ps(show_all, as_json, server, token):
+    """List your processes."""
+    processes = _calling(server, token, lambda c: c.ps(all=show_all))
+    if as_json:
+        click.echo(json.dumps(processes, indent=2))
+        return
+    click.echo(f"{'PID':>6}  {'STATE':<16} {'CPU_S':>7}  {'PROGRAM':<12} ARGS")
+    for p in processes:
+        click.echo(f"{p['pid']:>6}  {p['state']:<16} {p['cpu_time_s']:>7.2f}  {p['program'][:12]:<12} "
+                   f"{p['name']} {' '.join(p['args'])}")
+
+
+@click.command()
+@click.argument("pid", type=int)
+@_server_options
+def kill(pid, server, token):
+    """Kill one of your processes."""
+    _calling(server, token, lambda c: c.kill(pid))
+    click.echo(f"killed {pid}")
+
+
+@click.group()
+def kv():
+    """Your KV files on the server."""
+
+
+@kv.command("ls")
+@click.argument("prefix", default="")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@_server_options
+def kv_ls(prefix, as_json, server, token):
+    """List your KV files (and those shared with you, as @owner/name)."""
+    files = _calling(server, token, lambda c: c.kv_ls(prefix))
+    if as_json:
+        click.echo(json.dumps(files, indent=2))
+        return
+    for f in files:
+        click.echo(f"{f['tokens']:>8} tokens {f['pages']:>6} pages  {f['path']}")
+
+
+@kv.command("rm")
+@click.argument("paths", nargs=-1, required=True)
+@_server_options
+def kv_rm(paths, server, token):
+    """Remove KV files by name."""
+    for path in paths:
+        _calling(server, token, lambda c: c.kv_rm(path))
+        click.echo(f"removed {path}")
+
+
+CLIENT_COMMANDS = (upload, launch, ps, kill, kv)

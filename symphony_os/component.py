@@ -1,0 +1,705 @@
+"""Component guests (Python LIPs built with componentize-py): loading, the host side of
+guest_sdk/python/wit/symphony.wit, and the process that runs one.
+
+A component runs exactly like a core module: in its own Store, on a wasmtime fiber polled by a
+runtime worker, and its blocking calls (`pred-wait`, `recv`) suspend it until the batch that
+answers them is done, so its `pred`s share batches with every other process. wasmtime-py 50's
+component API has no async host functions, but wasmtime's C API does
+(`wasmtime_component_linker_instance_add_func_async`, `..._func_call_async`,
+`..._linker_instantiate_async`): this module reaches them through ctypes, and reuses
+`fiber.Fiber` for the calls and `fiber.Pending` for the waits.
+
+The calls are those of `hostcalls.HostCalls` (same KV tables, tickets, limits and error codes),
+with component values instead of guest pointers. Every callback catches everything: a host
+failure becomes `err(error-code)` or a guest trap, never an exception in wasmtime-py's global
+slot (DESIGN.md section 2). A distribution stays on the host: the guest holds a
+`distribution` resource whose rep is a key into its own process's `ComponentCalls.distributions`
+(reps are per process, so one process's handle can never reach another's distribution).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import itertools
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import wasmtime
+import wasmtime.component as wc
+from wasmtime import _ffi as ffi
+
+from .compile_cache import CACHE_DIR, CompileCache
+from .errors import BadHandle, ErrorCode, InputClosed, InvalidArgument, SymphonyError
+from .fiber import Fiber, _polling
+from .hostcalls import MAX_TEXT_BYTES, MAX_TOKENS_PER_PRED, Block
+from .limits import compiles_within
+from .process import Process
+from .sampling import Distribution, GreedyEach, Sample, TopK, Want
+
+log = logging.getLogger("symphony.component")
+
+PACKAGE, PACKAGE_VERSION = "symphony:component", "0.1.0"
+RUN_EXPORT = "run"
+# What wasmtime's WASI preview 2 linker provides (no wasi:http). The process's WASI context has no
+# preopened directories and no network: these imports link, and a file or socket call fails.
+WASI_PACKAGES = frozenset({"wasi:cli", "wasi:clocks", "wasi:filesystem", "wasi:io", "wasi:random", "wasi:sockets"})
+DISTRIBUTION_RESOURCE_TYPE = 0x53594D01  # our host resource type id ("SYM" 1)
+
+
+# ---- loading ----
+
+def _engine_fingerprint(engine: wasmtime.Engine) -> str:
+    """Compiled code depends on the engine's configuration: cache files are per engine config.
+    A tiny module serialized by this engine carries its wasmtime version and config hash."""
+    probe = wasmtime.Module(engine, b"\x00asm\x01\x00\x00\x00").serialize()
+    return hashlib.sha256(bytes(probe)).hexdigest()[:16]
+
+
+class CompileTooSlow(Exception):
+    """Compiling the component took over the time limit it was given."""
+
+
+def compile_component(engine: wasmtime.Engine, data: bytes, cache_dir: Path | None = CACHE_DIR,
+                      compile_time_s: float | None = None) -> wc.Component:
+    """Compile component bytes, through a cache of our own compiled files (compile_cache.py)
+    keyed by the bytes' sha256 and the engine's configuration. With `compile_time_s`, bytes not
+    in the cache are first compiled in a child process killed at that deadline
+    (limits.compiles_within): CompileTooSlow if it was reached."""
+    cache = CompileCache.open(cache_dir) if cache_dir is not None else None
+    key = f"{_engine_fingerprint(engine)}-{hashlib.sha256(data).hexdigest()}"
+    compiled = cache.load(key) if cache is not None else None
+    if compiled is not None:
+        try:
+            return wc.Component.deserialize(engine, compiled)  # the bytes whose digest was checked
+        except wasmtime.WasmtimeError:
+            pass  # written by another wasmtime: compile again
+    if compile_time_s is not None and not compiles_within(data, compile_time_s, component=True):
+        raise CompileTooSlow(f"compiling the component took over the limit of {compile_time_s:g} s")
+    component = wc.Component(engine, data)
+    if cache is not None:
+        cache.store(key, component.serialize())
+    return component
+
+
+def check_component(component: wc.Component, engine: wasmtime.Engine) -> str | None:
+    """Why a component cannot run here (one line), or None: it may import only our interfaces
+    and WASI, and must export `run: func() -> s32`."""
+    ty = component.type
+    for name in ty.imports(engine):
+        if not (name.startswith(f"{PACKAGE}/") or name.split("/", 1)[0] in WASI_PACKAGES):
+            return (f"unknown import {name}: only {PACKAGE}/* ({PACKAGE_VERSION}) and "
+                    f"{', '.join(sorted(WASI_PACKAGES))} are provided")
+        if name.startswith(f"{PACKAGE}/") and name.split("/", 1)[1] not in _IMPORT_NAMES:
+            return f"unknown import {name}: no such interface (see guest_sdk/python/wit/symphony.wit)"
+    run = ty.exports(engine).get(RUN_EXPORT)
+    run = run.ty if run is not None else None
+    if not (isinstance(run, wc.FuncType) and not run.params and isinstance(run.result, wc.S32)):
+        return f"the component exports no `{RUN_EXPORT}: func() -> s32` (build it with the lip-python world)"
+    return None
+
+
+# ---- values across the boundary ----
+
+@dataclass
+class Failed:
+    """A call's `err(error-code)`."""
+
+    code: ErrorCode
+
+
+def _error_name(code: ErrorCode) -> str:
+    return code.name.lower().replace("_", "-")
+
+
+class _HostFunction:
+    """One imported function: its Python handler and, after the first call, its types."""
+
+    __slots__ = ("qualified_name", "handler", "params", "length_checks", "result", "ok_type", "err_type", "typed")
+
+    def __init__(self, qualified_name: str, handler: Callable):
+        self.qualified_name = qualified_name
+        self.handler = handler
+        self.typed = False
+
+    def learn_types(self, ty_raw) -> None:
+        """Types come with the call (wasmtime passes them); build the converters once."""
+        if self.typed:
+            return
+        func_type = wc.FuncType._from_ptr(ty_raw, owner=self)  # owner: wasmtime frees it
+        self.params = [ty for _, ty in func_type.params]
+        self.length_checks = [_length_check(ty) for ty in self.params]
+        self.result = func_type.result
+        if isinstance(self.result, wc.ResultType):
+            self.ok_type, self.err_type = self.result.ok, self.result.err
+        self.typed = True
+
+    def arguments(self, store, args, max_list: int) -> list:
+        """The arguments as Python values. Converting goes element by element (2M ids took
+        1.6 s and 120 MB), so lengths are read from the raw values first: a list over `max_list`
+        elements or a string over MAX_TEXT_BYTES is refused before any conversion (wasmtime
+        frees the raw values after the call either way)."""
+        for i, check in enumerate(self.length_checks):
+            if check is not None:
+                check(args[i], max_list)
+        values = []
+        for i, ty in enumerate(self.params):
+            value = ty.convert_from_c(args[i])
+            if isinstance(value, wc.ResourceAny):  # a borrowed `distribution`: its host key
+                value = value.to_host(store).rep
+            values.append(value)
+        return values
+
+    def lower(self, store, outcome, results) -> None:
+        """Write `outcome` (a value, or Failed) as the function's result."""
+        if self.result is None:
+            return
+        target = ctypes.pointer(results[0])
+        if not isinstance(self.result, wc.ResultType):
+            if isinstance(outcome, Failed):
+                raise RuntimeError(f"error {outcome.code.name} from a call that has no error result")
+            self.result.convert_to_c(store, outcome, target)
+            return
+        # A result by hand: wasmtime-py's generic lowering tests the payload against every
+        # case's Python classes on each call (kv-len took 25 us a call that way).
+        failed = isinstance(outcome, Failed)
+        payload_type = self.err_type if failed else self.ok_type
+        payload = None
+        if payload_type is not None:
+            value = ffi.wasmtime_component_val_t()
+            payload_type.convert_to_c(store, _error_name(outcome.code) if failed else outcome, ctypes.pointer(value))
+            payload = ffi.wasmtime_component_val_new(ctypes.byref(value))  # moves `value`
+        target.contents.kind = ffi.WASMTIME_COMPONENT_RESULT
+        target.contents.of.result.is_ok = not failed
+        target.contents.of.result.val = payload
+
+
+def _length_check(ty) -> Callable[[Any, int], None] | None:
+    """For a type that may hold lists or strings: a function that raises InvalidArgument if a
+    raw value of it holds a list over `max_list` elements or a string over MAX_TEXT_BYTES,
+    reading lengths only. None for types that hold neither (built once per function)."""
+    if isinstance(ty, wc.String):
+        def check(raw, max_list: int) -> None:
+            if raw.of.string.size > MAX_TEXT_BYTES:
+                raise InvalidArgument(f"a string of {raw.of.string.size} bytes; the limit is {MAX_TEXT_BYTES}")
+        return check
+    if isinstance(ty, wc.ListType):
+        element = _length_check(ty.element)
+
+        def check(raw, max_list: int) -> None:
+            size = raw.of.list.size
+            if size > max_list:
+                raise InvalidArgument(f"a list of {size} elements; the limit is {max_list}")
+            if element is not None:
+                for i in range(size):
+                    element(raw.of.list.data[i], max_list)
+        return check
+    if isinstance(ty, wc.OptionType):
+        payload = _length_check(ty.payload)
+        if payload is None:
+            return None
+        return lambda raw, max_list: payload(raw.of.option.contents, max_list) if raw.of.option else None
+    if isinstance(ty, (wc.RecordType, wc.TupleType)):
+        is_record = isinstance(ty, wc.RecordType)
+        parts = [_length_check(t) for t in ([t for _, t in ty.fields] if is_record else ty.elements)]
+        if not any(parts):
+            return None
+
+        def check(raw, max_list: int) -> None:
+            for i, part in enumerate(parts):
+                if part is not None:
+                    part(raw.of.record.data[i].val if is_record else raw.of.tuple.data[i], max_list)
+        return check
+    if isinstance(ty, wc.VariantType):
+        cases = {name: _length_check(t) for name, t in ty.cases if t is not None}
+        cases = {name: check for name, check in cases.items() if check is not None}
+        if not cases:
+            return None
+
+        def check(raw, max_list: int) -> None:
+            case = cases.get(ffi.to_str(raw.of.variant.discriminant))
+            if case is not None and raw.of.variant.val:
+                case(raw.of.variant.val.contents, max_list)
+        return check
+    return None
+
+
+class _Waiting:
+    __slots__ = ("pending", "function", "context", "results", "error_ret")
+
+    def __init__(self, pending, function, context, results, error_ret):
+        self.pending, self.function, self.context = pending, function, context
+        self.results, self.error_ret = results, error_ret
+
+
+# Callback data crosses C as integer keys (never Python object pointers), as in fiber.py.
+_FUNCTIONS: dict[int, _HostFunction] = {}
+_WAITING: dict[int, _Waiting] = {}
+_next_key = itertools.count(1)
+
+
+def _error_pointer(function: _HostFunction | None, error: BaseException):
+    name = function.qualified_name if function is not None else "a host function"
+    try:
+        detail = f"{type(error).__name__}: {error}"
+    except BaseException:
+        detail = type(error).__name__
+    if not isinstance(error, SymphonyError):
+        log.error("%s failed: %s", name, detail)
+    message = f"{name} failed: {detail}".encode("utf-8", "replace")
+    return ffi.wasmtime_error_new(message)
+
+
+def _invoke(function: _HostFunction, store, args):
+    """Run the handler for the process being polled, through the same entry as a core
+    module's calls (HostCalls.dispatch: rate limit, errors); an error becomes Failed."""
+    process = _polling.fiber.owner
+    calls = process.component_calls
+    max_list = max(MAX_TOKENS_PER_PRED, calls.vocab_size())  # ids, or one entry per vocabulary token
+    return process.hostcalls.dispatch(
+        function.qualified_name, lambda: function.handler(calls, *function.arguments(store, args, max_list)),
+        Failed)
+
+
+@ffi.wasmtime_component_func_callback_t
+def _call_sync(key, context, ty_raw, args, nargs, results, nresults):
+    """A call that answers at once; returns 0 or an error (the guest traps). Never raises."""
+    function = _FUNCTIONS.get(key)
+    store = wasmtime.StoreContext(context)
+    try:
+        function.learn_types(ty_raw)
+        function.lower(store, _invoke(function, store, args), results)
+        return 0
+    except BaseException as error:
+        return ctypes.cast(_error_pointer(function, error), ctypes.c_void_p).value
+    finally:
+        store._invalidate()
+
+
+@ffi.wasmtime_func_async_continuation_callback_t
+def _continue_ready(env) -> bool:
+    return True
+
+
+@ffi.wasmtime_component_func_async_callback_t
+def _call_async(key, context, ty_raw, args, nargs, results, nresults, error_ret, continuation):
+    """A call that may block: a handler's `Block` suspends the guest on a Pending the process
+    completes later (Process.block_on). Never raises; always hands wasmtime a continuation."""
+    slot = continuation.contents
+    slot.callback = _continue_ready
+    function = _FUNCTIONS.get(key)
+    store = wasmtime.StoreContext(context)
+    try:
+        function.learn_types(ty_raw)
+        outcome = _invoke(function, store, args)
+        if isinstance(outcome, Block):
+            pending = _polling.fiber.owner.block_on(outcome, None)
+            waiting_key = next(_next_key)
+            _WAITING[waiting_key] = _Waiting(pending, function, context, results, error_ret)
+            slot.env = waiting_key
+            slot.finalizer = _forget_waiting
+            slot.callback = _continue_waiting
+        else:
+            function.lower(store, outcome, results)
+    except BaseException as error:
+        error_ret[0] = _error_pointer(function, error)
+    finally:
+        store._invalidate()
+
+
+@ffi.wasmtime_func_async_continuation_callback_t
+def _continue_waiting(waiting_key) -> bool:
+    """True once the Pending is done, after writing its outcome. The store context of the
+    suspended call stays valid while wasmtime polls its continuation (the call's future holds
+    it), and results that carry a resource need it."""
+    waiting = _WAITING[waiting_key]
+    if not waiting.pending.done:
+        return False
+    store = wasmtime.StoreContext(waiting.context)
+    try:
+        if waiting.pending.failure is not None:
+            raise RuntimeError(waiting.pending.failure)
+        waiting.function.lower(store, waiting.pending.values[0], waiting.results)
+    except BaseException as error:
+        waiting.error_ret[0] = _error_pointer(waiting.function, error)
+    finally:
+        store._invalidate()
+    return True
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+def _forget_waiting(waiting_key) -> None:
+    waiting = _WAITING.pop(waiting_key, None)
+    if waiting is not None:
+        waiting.pending.abandoned = not waiting.pending.done
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+def _forget_function(key) -> None:
+    _FUNCTIONS.pop(key, None)
+
+
+def _drop_distribution(store, rep: int) -> None:
+    """The guest dropped a `distribution`: free it in the process that owns it (the one being
+    polled: only its guest code drops its resources). Never raises: wasmtime-py parks
+    exceptions in a global."""
+    fiber = _polling.fiber
+    if fiber is not None and isinstance(fiber.owner, ComponentProcess):
+        fiber.owner.component_calls.distributions.pop(rep, None)
+
+
+# ---- the system calls, in component values ----
+
+def _want_of(want: Any, vocab_size: int) -> Want:
+    if want.tag == "distribution":
+        return Distribution()
+    if want.tag == "top-k":
+        return TopK(want.payload)
+    if want.tag == "greedy-each":
+        return GreedyEach()
+    record = want.payload
+    allowed = record.allowed
+    if (allowed is not None and len(allowed) > vocab_size) or len(record.bias) > vocab_size:
+        raise InvalidArgument(f"sampling: allowed ids and biases are at most the vocabulary size {vocab_size}")
+    # Record fields keep their WIT (kebab-case) names.
+    return Sample(temperature=record.temperature, top_p=getattr(record, "top-p"), top_k=getattr(record, "top-k"),
+                  seed=record.seed, logit_bias=dict(record.bias),
+                  allowed_tokens=None if allowed is None else tuple(allowed))
+
+
+class ComponentCalls:
+    """The system calls of one component process. Each takes and returns component values
+    (raising SymphonyError for `err`); the KV tables, tickets and limits are the process's
+    `HostCalls`, shared with the core ABI."""
+
+    def __init__(self, process: "ComponentProcess"):
+        self.process = process
+        self.core = process.hostcalls
+        self.engine = process.engine
+        self.kv = process.kv
+        # rep -> probabilities (float32, on the host) of this process's live `distribution`s;
+        # reps are this process's own, so no handle reaches another process's distribution.
+        self.distributions: dict[int, torch.Tensor] = {}
+        self._last_rep = 0
+        self.core.host_distribution_bytes = self._distribution_bytes
+
+    # model
+    def vocab_size(self) -> int:
+        return self.engine.loaded.config.vocab_size
+
+    def eos_ids(self) -> list[int]:
+        return list(self.engine.loaded.eos_token_ids)
+
+    def bos_id(self) -> int:
+        bos = self.engine.loaded.bos_token_id
+        return Failed(ErrorCode.UNSUPPORTED) if bos is None else bos
+
+    def model_name(self) -> str:
+        return self.engine.loaded.name
+
+    # tokens
+    def tokenize(self, text: str, add_special: bool) -> list[int]:
+        if len(text) > MAX_TEXT_BYTES:
+            raise InvalidArgument(f"tokenize takes at most {MAX_TEXT_BYTES} bytes")
+        ids = self.engine.tokenize(text, add_special_tokens=add_special)
+        if len(ids) > MAX_TOKENS_PER_PRED:  # the result crosses element by element too
+            raise InvalidArgument(f"tokenize gives at most {MAX_TOKENS_PER_PRED} ids; split the text")
+        return ids
+
+    def detokenize(self, ids: list[int]) -> str:
+        vocab = self.engine.loaded.config.vocab_size
+        if len(ids) > MAX_TOKENS_PER_PRED or any(not 0 <= i < vocab for i in ids):
+            raise InvalidArgument(f"detokenize takes up to {MAX_TOKENS_PER_PRED} ids in [0, {vocab})")
+        return self.engine.detokenize(ids)
+
+    # KV files: the core calls where they take no guest memory
+    def kv_create(self) -> int:
+        return self.core.kv_create(None)
+
+    def kv_open(self, path: str, flags: int) -> int:
+        return self.kv.open(self._path(path), flags)
+
+    def kv_fork(self, kv: int) -> int:
+        return self.core.kv_fork(None, kv)
+
+    def kv_extract(self, kv: int, start: int, end: int) -> int:
+        return self.core.kv_extract(None, kv, start, end)
+
+    def kv_merge(self, first: int, second: int) -> int:
+        return self.core.kv_merge(None, first, second)
+
+    def kv_len(self, kv: int) -> int:
+        return self.core.kv_len(None, kv)
+
+    def kv_truncate(self, kv: int, length: int) -> None:
+        self.core.kv_truncate(None, kv, length)
+
+    def kv_close(self, kv: int) -> None:
+        self.core.kv_close(None, kv)
+
+    def kv_remove(self, path: str) -> None:
+        self.kv.remove(self._path(path))
+
+    def kv_hint(self, kv: int, flags: int, keep_for_ms: int, priority: int) -> None:
+        self.core.kv_hint(None, kv, flags, keep_for_ms, priority)
+
+    def kv_open_prefix(self, ids: list[int]) -> int:
+        if not 0 < len(ids) <= MAX_TOKENS_PER_PRED:
+            raise InvalidArgument(f"kv-open-prefix takes 1 to {MAX_TOKENS_PER_PRED} token ids")
+        handle, tracked = self.core.prefix_cache.open_longest(self.kv, ids)
+        self.core.prefix_files[handle] = tracked
+        return handle
+
+    def kv_cache_prefix(self, kv: int) -> int:
+        return self.core.kv_cache_prefix(None, kv)
+
+    @staticmethod
+    def _path(path: str) -> str:
+        if not 0 < len(path.encode()) <= 1024:
+            raise InvalidArgument("a KV path is 1 to 1024 bytes")
+        return path
+
+    # inference
+    def pred_submit(self, kv: int, ids: list[int], positions: list[int] | None, want) -> int:
+        if not 0 < len(ids) <= MAX_TOKENS_PER_PRED:
+            raise InvalidArgument(f"pred takes 1 to {MAX_TOKENS_PER_PRED} tokens, got {len(ids)}")
+        return self.core.submit(kv, ids, positions, _want_of(want, self.vocab_size()))
+
+    def pred_wait(self, ticket: int):
+        entry = self.core.tickets.get(ticket)
+        if entry is None:
+            raise BadHandle(f"pred ticket {ticket} is not in flight in this process")
+
+        def finish(_memory) -> Any:
+            del self.core.tickets[ticket]
+            try:
+                result = entry.future.result()
+            except SymphonyError as error:
+                return Failed(error.code)
+            want = entry.want
+            if isinstance(want, Distribution):
+                rep = self._new_rep()
+                self.distributions[rep] = result.probs.float().cpu()
+                return wc.Variant("distribution", wc.ResourceHost.own(rep, DISTRIBUTION_RESOURCE_TYPE))
+            if isinstance(want, TopK):
+                return wc.Variant("top-k", list(zip(result.top_ids, result.top_logprobs)))
+            if isinstance(want, GreedyEach):
+                return wc.Variant("tokens", list(result.tokens))
+            return wc.Variant("token", result.token)
+
+        if entry.future.done():
+            return finish(None)
+        return Block("blocked-on-pred", entry.future, lambda memory: self._guarded(finish))
+
+    # the distribution resource
+    def _new_rep(self) -> int:
+        """A rep no live distribution of this process has: a u32 (what the C API carries),
+        never 0, wrapping around past 2**32 - 1 (the live ones are few: distribution_bytes)."""
+        rep = self._last_rep
+        while True:
+            rep = rep % 0xFFFFFFFF + 1
+            if rep not in self.distributions:
+                self._last_rep = rep
+                return rep
+
+    def _distribution_bytes(self) -> int:
+        return sum(probs.numel() * probs.element_size() for probs in self.distributions.values())
+
+    def _probs(self, rep: int) -> torch.Tensor:
+        probs = self.distributions.get(rep)  # this process's own: ownership is checked by looking here
+        if probs is None:
+            raise BadHandle("this distribution was dropped")
+        return probs
+
+    def distribution_argmax(self, rep: int) -> int:
+        return int(self._probs(rep).argmax())
+
+    def distribution_top_k(self, rep: int, k: int) -> list[tuple[int, float]]:
+        probs = self._probs(rep)
+        if not 0 < k <= probs.numel():
+            raise InvalidArgument(f"k must be in [1, {probs.numel()}]")
+        values, ids = probs.topk(k)
+        return [(int(i), math.log(v) if v > 0 else -math.inf) for i, v in zip(ids.tolist(), values.tolist())]
+
+    def distribution_logprob(self, rep: int, token: int) -> float:
+        probs = self._probs(rep)
+        if not 0 <= token < probs.numel():
+            raise InvalidArgument(f"token must be in [0, {probs.numel()})")
+        p = float(probs[token])
+        return math.log(p) if p > 0 else -math.inf
+
+    def distribution_sample(self, rep: int, temperature: float, top_p: float, seed: int) -> int:
+        probs = self._probs(rep)
+        if not (temperature >= 0 and 0 < top_p <= 1):
+            raise InvalidArgument("temperature must be >= 0 and top-p in (0, 1]")
+        if temperature == 0:
+            return int(probs.argmax())
+        weights = probs.double().clamp_min(1e-30).log().div(temperature).softmax(0)
+        if top_p < 1:
+            ordered, order = weights.sort(descending=True)
+            drop = ordered.cumsum(0) - ordered >= top_p
+            weights = weights.scatter(0, order, ordered.masked_fill(drop, 0.0))
+        generator = torch.Generator().manual_seed(seed)
+        return int(torch.multinomial(weights, 1, generator=generator))
+
+    # I/O
+    def send(self, text: str) -> None:
+        data = text.encode("utf-8", "replace")
+        if len(data) > MAX_TEXT_BYTES:
+            raise InvalidArgument(f"send takes at most {MAX_TEXT_BYTES} bytes")
+        self.process.emit_output(data)
+
+    def recv(self):
+        def finish(_memory) -> Any:
+            message = self.process.peek_input()
+            if message is None:
+                raise InputClosed("the user closed the input")
+            self.process.pop_input()
+            return message.decode("utf-8", "replace")
+
+        if self.process.input_ready():
+            return finish(None)
+        return Block("blocked-on-recv", None, lambda memory: self._guarded(finish))
+
+    def tool(self, name: str, text: str) -> str:
+        if not 0 < len(name) <= 64 or len(text) > MAX_TEXT_BYTES:
+            raise InvalidArgument("tool: the name is 1 to 64 bytes, the input at most 1 MiB")
+        return self.process.tools.call(name, text)
+
+    def _guarded(self, finish) -> Any:
+        try:
+            return finish(None)
+        except SymphonyError as error:
+            return Failed(error.code)
+        except Exception:
+            log.exception("pid %s: finishing a blocking call failed", self.process.pid)
+            return Failed(ErrorCode.INTERNAL)
+
+    def close(self) -> None:
+        self.distributions.clear()
+
+
+# interface -> {WIT function name: (ComponentCalls method, blocking)}
+_INTERFACES: dict[str, dict[str, tuple[Callable, bool]]] = {
+    "errors": {},
+    "model": {"vocab-size": (ComponentCalls.vocab_size, False), "eos-ids": (ComponentCalls.eos_ids, False),
+              "bos-id": (ComponentCalls.bos_id, False), "model-name": (ComponentCalls.model_name, False)},
+    "tokens": {"tokenize": (ComponentCalls.tokenize, False), "detokenize": (ComponentCalls.detokenize, False)},
+    "kv": {name.replace("_", "-"): (getattr(ComponentCalls, name), False) for name in (
+        "kv_create", "kv_open", "kv_fork", "kv_extract", "kv_merge", "kv_len", "kv_truncate", "kv_close",
+        "kv_remove", "kv_hint", "kv_open_prefix", "kv_cache_prefix")},
+    "inference": {
+        "pred-submit": (ComponentCalls.pred_submit, False), "pred-wait": (ComponentCalls.pred_wait, True),
+        "[method]distribution.argmax": (ComponentCalls.distribution_argmax, False),
+        "[method]distribution.top-k": (ComponentCalls.distribution_top_k, False),
+        "[method]distribution.logprob": (ComponentCalls.distribution_logprob, False),
+        "[method]distribution.sample": (ComponentCalls.distribution_sample, False),
+    },
+    "io": {"send": (ComponentCalls.send, False), "recv": (ComponentCalls.recv, True)},
+    "tools": {"tool": (ComponentCalls.tool, False)},
+}
+
+
+_IMPORT_NAMES = {f"{interface}@{PACKAGE_VERSION}" for interface in _INTERFACES}
+
+
+class ComponentLinker:
+    """WASI preview 2 and our interfaces, for any number of component stores."""
+
+    def __init__(self, engine: wasmtime.Engine):
+        self.engine = engine
+        self.linker = wc.Linker(engine)
+        error = ffi.wasmtime_component_linker_add_wasip2_async(self.linker.ptr())
+        if error:
+            raise wasmtime.WasmtimeError._from_ptr(error)
+        with self.linker.root() as root:
+            for interface, calls in _INTERFACES.items():
+                with root.add_instance(f"{PACKAGE}/{interface}@{PACKAGE_VERSION}") as instance:
+                    if interface == "inference":
+                        instance.add_resource("distribution", wc.ResourceType.host(DISTRIBUTION_RESOURCE_TYPE),
+                                              _drop_distribution)
+                    for name, (method, blocking) in calls.items():
+                        self._define(instance, f"{interface}.{name}", name, method, blocking)
+
+    @staticmethod
+    def _define(instance: wc.LinkerInstance, qualified_name: str, name: str, method, blocking: bool) -> None:
+        key = next(_next_key)
+        _FUNCTIONS[key] = _HostFunction(qualified_name, method)
+        name_bytes = name.encode()
+        define, trampoline = ((ffi.wasmtime_component_linker_instance_add_func_async, _call_async) if blocking
+                              else (ffi.wasmtime_component_linker_instance_add_func, _call_sync))
+        error = define(instance.ptr(), ctypes.create_string_buffer(name_bytes), len(name_bytes), trampoline, key,
+                       _forget_function)
+        if error:
+            _FUNCTIONS.pop(key, None)
+            raise wasmtime.WasmtimeError._from_ptr(error)
+
+    def start_instantiate(self, store: wasmtime.Store, component: wc.Component, owner: object = None) -> Fiber:
+        """Instantiation as a fiber; `result` is [component Instance]."""
+        instance = ffi.wasmtime_component_instance_t()
+
+        def start(trap_slot, error_slot):
+            return ffi.wasmtime_component_linker_instantiate_async(self.linker.ptr(), store._context(),
+                                                                   component.ptr(), ctypes.byref(instance), error_slot)
+
+        return _new_fiber(store, owner, start, lambda: [wc.Instance._from_raw(instance)],
+                          keep=(self.linker, component, instance))
+
+
+def _new_fiber(store, owner, start, collect, keep) -> Fiber:
+    fiber = Fiber.__new__(Fiber)
+    fiber._start(store, owner, start, collect, keep)
+    return fiber
+
+
+def call_run(store: wasmtime.Store, instance: wc.Instance, owner: object = None) -> Fiber:
+    """The guest's `run() -> s32` as a fiber; `result` is [exit code]."""
+    func = instance.get_func(store, RUN_EXPORT)
+    result = ffi.wasmtime_component_val_t()
+
+    def start(trap_slot, error_slot):
+        return ffi.wasmtime_component_func_call_async(ctypes.byref(func._func), store._context(), None, 0,
+                                                      ctypes.byref(result), 1, error_slot)
+
+    return _new_fiber(store, owner, start, lambda: [int(result.of.s32)], keep=(func, result))
+
+
+class ComponentProcess(Process):
+    """A process whose program is a component: `print()` goes to its log, `run()`'s return value
+    is its exit code."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.component_calls = ComponentCalls(self)
+        self._log_failure_logged = False
+
+    def _wasi_config(self, program, args, env) -> wasmtime.WasiConfig:
+        wasi = super()._wasi_config(program, args, env)
+        # WASI preview 2 has no fd_write of ours to override: output streams call back.
+        wasi.stdout_custom = self._captured
+        wasi.stderr_custom = self._captured
+        return wasi
+
+    def _captured(self, data: bytes) -> None:
+        try:
+            self.capture_log(data)
+        except SymphonyError:
+            pass  # past its output limit: the process is being killed, and the bytes refused
+        except Exception:  # a failing on_log must not fail the guest's write
+            # Once per process: a guest writing in a loop would otherwise log a traceback per write.
+            if not self._log_failure_logged:
+                self._log_failure_logged = True
+                log.exception("pid %s: log callback failed (logged once per process)", self.pid)
+
+    def memory_for(self, call):
+        return None  # component calls take values, never guest addresses
+
+    def _main_fiber(self, instance) -> Fiber:
+        return call_run(self.store, instance, owner=self)
+
+    def _end(self, state, code, reason) -> None:
+        self.component_calls.close()
+        super()._end(state, code, reason)

@@ -1,0 +1,199 @@
+"""The sandbox's limits: what one LIP process may use, how each limit is enforced, and the reason
+its client sees when it hits one (SECURITY.md has the table).
+
+wasm isolates a guest's memory and control flow; everything else a guest can exhaust (CPU, wall
+time, host calls, output, KV pages, handles) is counted here or where it is spent. A limit that
+is hit ends (or refuses) only the offending process, and `Process._end` frees what it held.
+"""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable
+
+import wasmtime
+
+from .errors import LimitExceeded
+
+if TYPE_CHECKING:
+    from .process import Process
+
+log = logging.getLogger("symphony.limits")
+
+
+@dataclass(frozen=True)
+class ProcessLimits:
+    """Per-process limits; None is unlimited. `wasm_stack_bytes` and whether `fuel` is on at
+    all are properties of the runtime's wasm engine: they come from `Runtime(limits=...)`, and
+    per-process limits (a tenant's) may only change the others."""
+
+    # Linear memory (memory.grow returns -1 past it). wasmtime applies it to each memory: with
+    # `memories` at 1 it is the process's total (a WASI command and a componentize-py component
+    # each use one; wasmtime-py 50 has no store-wide memory limiter).
+    memory_bytes: int = 256 * 2**20
+    wasm_stack_bytes: int = 1 * 2**20  # wasm call stack: deeper recursion traps
+    table_elements: int = 100_000  # elements of any one table
+    instances: int = 64  # wasm instances in the process's store (a component has several)
+    tables: int = 64
+    memories: int = 1  # more would multiply memory_bytes
+    cpu_time_s: float | None = 600.0  # CPU time spent advancing the process (host calls included)
+    wall_time_s: float | None = None  # from spawn to exit, blocked time included
+    fuel: int | None = None  # wasm instructions (roughly), when the runtime consumes fuel
+    hostcalls_per_s: int = 200_000  # calls over this in one second are refused (LIMIT_EXCEEDED)
+    output_bytes: int = 256 * 2**20  # bytes sent to the user plus stdout/stderr
+    kv_pages: int | None = None  # distinct pages in the KV files the process holds open
+    kv_handles: int = 4096  # open KV handles
+    preds_in_flight: int = 256  # preds submitted and not yet waited for (parallel branches)
+    # host memory in next-token distributions: kind-0 preds in flight plus a Python guest's live
+    # `distribution` resources (4 bytes per vocabulary entry each: 600 KB at 151,936 tokens)
+    distribution_bytes: int = 256 * 2**20
+    time_slice_ticks: int = 1  # epoch ticks a guest may compute before it yields
+
+
+def _amount(value: float) -> str:
+    return f"{value:g}"
+
+
+def _mib(value: int) -> str:
+    return f"{value / 2**20:g} MiB"
+
+
+class Usage:
+    """What one process has used of its limits so far. Touched by the process's worker thread,
+    except `check_deadlines`, which the watchdog calls."""
+
+    def __init__(self, limits: ProcessLimits):
+        self.limits = limits
+        self.started = time.monotonic()
+        self.output_bytes = 0
+        self.hostcalls = 0  # in the current one-second window
+        self._window_start = self.started
+
+    def charge_hostcall(self) -> None:
+        """Count one host call; raise LimitExceeded past the per-second rate. The clock is read
+        only once the count passes the limit, so the common path is one addition."""
+        self.hostcalls += 1
+        if self.hostcalls <= self.limits.hostcalls_per_s:
+            return
+        now = time.monotonic()
+        if now - self._window_start >= 1.0:
+            self._window_start, self.hostcalls = now, 1
+            return
+        raise LimitExceeded(f"host-call rate limit {self.limits.hostcalls_per_s}/s exceeded")
+
+    def charge_output(self, nbytes: int) -> str | None:
+        """Count output bytes; the kill reason once the total passes the limit, else None."""
+        self.output_bytes += nbytes
+        if self.output_bytes > self.limits.output_bytes:
+            return f"killed: output limit {_mib(self.limits.output_bytes)} exceeded"
+        return None
+
+    def over_time(self, cpu_time_s: float) -> str | None:
+        """The kill reason if the process is past its CPU or wall time, else None."""
+        limits = self.limits
+        if limits.cpu_time_s is not None and cpu_time_s > limits.cpu_time_s:
+            return f"killed: cpu time limit {_amount(limits.cpu_time_s)}s exceeded"
+        if limits.wall_time_s is not None and time.monotonic() - self.started > limits.wall_time_s:
+            return f"killed: wall time limit {_amount(limits.wall_time_s)}s exceeded"
+        return None
+
+
+def check_kv_pages(process: "Process", handle: int | None = None, tokens: int = 0) -> None:
+    """Raise LimitExceeded if the process's open KV files hold more than its page limit, or
+    would once `tokens` more are appended to the file behind `handle`. Costs a walk over its
+    pages: done only when the limit is set."""
+    limit = process.limits.kv_pages
+    if limit is None:
+        return
+    more = 0
+    if handle is not None:
+        file, page_size = process.kv.file_of(handle), process.engine.pool.page_size
+        more = max(0, -(-(file.length + tokens) // page_size) - len(file.pages))
+    held = process.kv.pages_held()
+    if held + more > limit:
+        raise LimitExceeded(f"KV page limit per process: its files hold {held} of {limit} pages, "
+                            f"{more} more needed")
+
+
+def trap_reason(fiber, limits: ProcessLimits, memory_bytes: int | None, instantiating: bool) -> str:
+    """The end reason for a guest that trapped: a limit's name where a limit caused it."""
+    code = fiber.trap_code
+    if code == wasmtime.TrapCode.STACK_OVERFLOW:
+        return f"killed: wasm stack limit {_mib(limits.wasm_stack_bytes)} exceeded"
+    if code == wasmtime.TrapCode.OUT_OF_FUEL:
+        return f"killed: fuel limit {limits.fuel} exhausted"
+    if instantiating:
+        return f"failed to start: {fiber.trap}"
+    # memory.grow failing is no trap; a guest that then gives up usually traps or exits, with
+    # its memory within the last of its 16 growth steps below the limit.
+    if memory_bytes is not None and memory_bytes > limits.memory_bytes * 15 // 16:
+        return f"trapped: {fiber.trap} (memory near its limit of {_mib(limits.memory_bytes)})"
+    return f"trapped: {fiber.trap}"
+
+
+def store_limits(store: wasmtime.Store, limits: ProcessLimits) -> None:
+    """Apply the limits wasmtime enforces itself to a process's store."""
+    store.set_limits(memory_size=limits.memory_bytes, table_elements=limits.table_elements,
+                     instances=limits.instances, tables=limits.tables, memories=limits.memories)
+    if limits.fuel is not None:
+        store.set_fuel(limits.fuel)
+
+
+class Watchdog:
+    """A daemon thread that kills processes past their wall time, even while they wait (a
+    `recv` nobody answers). CPU time is checked by each process whenever it is advanced."""
+
+    def __init__(self, processes: Callable[[], Iterable["Process"]], interval_s: float = 0.1):
+        self._processes = processes
+        self.interval_s = interval_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="symphony-watchdog", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval_s):
+            try:
+                for process in list(self._processes()):
+                    if process.limits.wall_time_s is not None and not process.finished:
+                        reason = process.usage.over_time(0.0)
+                        if reason is not None:
+                            process.kill(reason)
+            except Exception:  # the watchdog must outlive any one bad round
+                log.exception("checking process deadlines failed")
+
+    def start(self) -> "Watchdog":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+
+# Compiles stdin (a core module, or a component with argv[2] == "1") with an engine like the
+# runtime's (epoch checks, fuel) and exits 0 if it compiled.
+_COMPILE_PROBE = """
+import sys, wasmtime, wasmtime.component
+config = wasmtime.Config()
+config.epoch_interruption = True
+config.consume_fuel = sys.argv[1] == "1"
+compile = wasmtime.component.Component if sys.argv[2] == "1" else wasmtime.Module
+compile(wasmtime.Engine(config), sys.stdin.buffer.read())
+"""
+
+
+def compiles_within(data: bytes, timeout_s: float, consume_fuel: bool = False, component: bool = False) -> bool:
+    """Does compiling `data` (a core module, or a component) finish within `timeout_s`?
+    Compiled in a child process, killed at the deadline: wasmtime's compiler cannot be
+    interrupted, and some small modules take superlinear time (measured: 29 KB of loop-carried
+    locals took 0.46 s). Only the timing is used: the caller compiles the bytes itself once
+    they pass."""
+    try:
+        subprocess.run([sys.executable, "-c", _COMPILE_PROBE, "1" if consume_fuel else "0", "1" if component else "0"],
+                       input=data, timeout=timeout_s, capture_output=True)
+    except subprocess.TimeoutExpired:
+        return False
+    return True

@@ -1,0 +1,329 @@
+"""OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions.
+
+Each request runs the built-in `complete` LIP (completion.py) through the same schedulers as
+every other process, with automatic prefix reuse. Chat prompts are rendered with the model's
+chat template (a plain `role: content` template when the model has none). Streaming answers
+are server-sent events ending in `data: [DONE]`. Errors have OpenAI's shape:
+`{"error": {"message", "type", "param", "code"}}`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .completion import (MAX_BRANCHES, MAX_STOPS, MAX_TOP_LOGPROBS, BranchText, CompletionFailed,
+                         CompletionRequest, FinishEvent, PromptInfo, TokenEvent, run_completion)
+from .server import ServerState, tenant_of
+from .tenants import QuotaExceeded, Tenant
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+MAX_COMPLETION_TOKENS = 4096
+MAX_BODY_BYTES = 4 * 2**20  # a request's JSON body: bounds the parsing, tokenizing and templating it costs
+FALLBACK_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+class SamplingBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool | None = False
+    stream_options: dict | None = None
+
+
+class CompletionBody(SamplingBody):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict] | None = None
+
+
+class ChatBody(SamplingBody):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
+    length = request.headers.get("content-length")
+    too_big = OpenAIError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise too_big
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise too_big
+    try:
+        return model.model_validate(json.loads(body))
+    except ValueError as error:  # JSON decoding and pydantic's ValidationError
+        if isinstance(error, ValidationError):
+            first = error.errors()[0]
+            param = ".".join(str(p) for p in first["loc"])
+            raise OpenAIError(400, f"{param}: {first['msg']}", param=param) from None
+        raise OpenAIError(400, "the body is not valid JSON") from None
+
+
+def _sampling(state: ServerState, body: SamplingBody, prompt_ids: list[int], max_tokens: int | None,
+              logprobs: int | None, chat: bool) -> CompletionRequest:
+    """The request for the `complete` LIP. Without max_tokens a completion gets 16 tokens (as
+    OpenAI's legacy endpoint), a chat answer what the context leaves (as OpenAI and vLLM)."""
+    if body.model != state.engine.loaded.name:
+        raise OpenAIError(404, f"the model {body.model!r} does not exist; this server serves "
+                               f"{state.engine.loaded.name!r}", param="model", code="model_not_found")
+    vocab = state.engine.loaded.config.vocab_size
+    if not prompt_ids:
+        raise OpenAIError(400, "the prompt is empty", param="prompt")
+    if any(not 0 <= t < vocab for t in prompt_ids):
+        raise OpenAIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+    limit = state.engine.loaded.config.max_position_embeddings
+    if max_tokens is None:
+        max_tokens = max(0, min(limit - len(prompt_ids), MAX_COMPLETION_TOKENS)) if chat else 16
+    if not 0 <= max_tokens <= MAX_COMPLETION_TOKENS:
+        raise OpenAIError(400, f"max_tokens must be in [0, {MAX_COMPLETION_TOKENS}]", param="max_tokens")
+    if len(prompt_ids) + max_tokens > limit:
+        raise OpenAIError(400, f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceed the "
+                               f"model's context of {limit} tokens", param="max_tokens")
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    n = 1 if body.n is None else body.n
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    checks = [(0 <= temperature <= 2, "temperature must be in [0, 2]", "temperature"),
+              (0 < top_p <= 1, "top_p must be in (0, 1]", "top_p"),
+              (1 <= n <= MAX_BRANCHES, f"n must be in [1, {MAX_BRANCHES}]", "n"),
+              (len(stop) <= MAX_STOPS and all(stop), f"stop takes up to {MAX_STOPS} non-empty strings", "stop"),
+              (logprobs is None or 0 <= logprobs <= MAX_TOP_LOGPROBS,
+               f"the number of log-probabilities must be in [0, {MAX_TOP_LOGPROBS}]", "logprobs")]
+    for ok, message, param in checks:
+        if not ok:
+            raise OpenAIError(400, message, param=param)
+    return CompletionRequest(prompt_ids, max_tokens, n, logprobs, temperature, top_p, body.seed, tuple(stop))
+
+
+def _chat_prompt(state: ServerState, body: ChatBody) -> list[int]:
+    if not body.messages:
+        raise OpenAIError(400, "messages must not be empty", param="messages")
+    messages = []
+    for message in body.messages:
+        content = message.content
+        if isinstance(content, list):
+            if any(part.get("type") != "text" for part in content):
+                raise OpenAIError(400, "only text content parts are supported", param="messages")
+            content = "".join(str(part.get("text", "")) for part in content)
+        messages.append({"role": message.role, "content": content or ""})
+    tokenizer = state.engine.loaded.tokenizer
+    template = tokenizer.chat_template or FALLBACK_CHAT_TEMPLATE
+    try:
+        text = tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                             tokenize=False)
+    except Exception as error:  # the template's own complaints (roles out of order, ...)
+        raise OpenAIError(400, f"the chat template refused the messages: {error}", param="messages") from None
+    return state.engine.tokenize(text, add_special_tokens=False)
+
+
+def _usage(info: PromptInfo | None, completion_tokens: int) -> dict:
+    prompt = info.prompt_tokens if info else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": info.cached_tokens if info else 0}}
+
+
+class Choices:
+    """Per-branch text, token log-probabilities and finish reasons of one request."""
+
+    def __init__(self, state: ServerState, request: CompletionRequest, chat: bool):
+        self.state, self.request, self.chat = state, request, chat
+        self.texts = [BranchText(state.engine.detokenize, request.stop) for _ in range(request.n)]
+        self.logprobs: list[list[TokenEvent]] = [[] for _ in range(request.n)]
+        self.finish_reasons: list[str | None] = [None] * request.n
+        self.info: PromptInfo | None = None
+        self.completion_tokens = 0
+
+    async def events(self, tenant: Tenant) -> AsyncIterator[tuple[int, str, list[TokenEvent], str | None]]:
+        """(branch, new text, new token log-probs, finish reason) as the process goes."""
+        counters = self.state.completions
+        counters.requests += 1
+        async for item in run_completion(self.state, tenant, self.request):
+            if isinstance(item, PromptInfo):
+                self.info = item
+                counters.prompt_tokens += item.prompt_tokens
+                counters.cached_tokens += item.cached_tokens
+            elif isinstance(item, TokenEvent):
+                self.completion_tokens += 1
+                counters.completion_tokens += 1
+                new = [item] if self.request.logprobs is not None else []
+                self.logprobs[item.branch] += new
+                yield item.branch, self.texts[item.branch].add(item.token), new, None
+            elif isinstance(item, FinishEvent):
+                self.finish_reasons[item.branch] = item.reason
+                yield item.branch, self.texts[item.branch].finish(item.text_end), [], item.reason
+
+    def token_text(self, token: int) -> str:
+        return self.state.engine.detokenize([token])
+
+    def logprobs_json(self, tokens: list[TokenEvent], text_offset: int = 0) -> dict | None:
+        if self.request.logprobs is None:
+            return None
+        if self.chat:
+            def entry(token: int, logprob: float) -> dict:
+                text = self.token_text(token)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
+                                for t in tokens]}
+        texts = [self.token_text(t.token) for t in tokens]
+        offsets, at = [], text_offset
+        for text in texts:
+            offsets.append(at)
+            at += len(text)
+        return {"tokens": texts, "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [{self.token_text(i): lp for i, lp in t.top} for t in tokens], "text_offset": offsets}
+
+
+def _completion_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+async def _respond(request: Request, body: SamplingBody, completion: CompletionRequest, chat: bool):
+    state: ServerState = request.app.state.symphony
+    tenant = tenant_of(request)
+    choices = Choices(state, completion, chat)
+    created, cid, model = int(time.time()), _completion_id(chat), body.model
+    kind = "chat.completion" if chat else "text_completion"
+    if not body.stream:
+        async for _ in choices.events(tenant):
+            pass
+        def choice(i: int) -> dict:
+            text, reason = choices.texts[i].text, choices.finish_reasons[i] or "length"
+            if chat:
+                return {"index": i, "message": {"role": "assistant", "content": text},
+                        "logprobs": choices.logprobs_json(choices.logprobs[i]), "finish_reason": reason}
+            return {"index": i, "text": text, "logprobs": choices.logprobs_json(choices.logprobs[i]),
+                    "finish_reason": reason}
+        return {"id": cid, "object": kind, "created": created, "model": model,
+                "choices": [choice(i) for i in range(completion.n)],
+                "usage": _usage(choices.info, choices.completion_tokens)}
+
+    include_usage = bool((body.stream_options or {}).get("include_usage"))
+    chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(payload_choices: list[dict], usage: dict | None = None) -> str:
+        data: dict[str, Any] = {"id": cid, "object": chunk_kind, "created": created, "model": model,
+                                "choices": payload_choices}
+        if include_usage:
+            data["usage"] = usage
+        return f"data: {json.dumps(data)}\n\n"
+
+    async def sse() -> AsyncIterator[str]:
+        offsets = [0] * completion.n
+        try:
+            if chat:
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for i in range(completion.n)])
+            async for branch, text, tokens, reason in choices.events(tenant):
+                if not text and not tokens and reason is None:
+                    continue
+                logprobs = choices.logprobs_json(tokens, offsets[branch]) if tokens else None
+                offsets[branch] += len(text)
+                if chat:
+                    yield chunk([{"index": branch, "delta": {"content": text} if text else {},
+                                  "logprobs": logprobs, "finish_reason": reason}])
+                else:
+                    yield chunk([{"index": branch, "text": text, "logprobs": logprobs, "finish_reason": reason}])
+            if include_usage:
+                yield chunk([], _usage(choices.info, choices.completion_tokens))
+        except (CompletionFailed, QuotaExceeded) as error:
+            yield f"data: {json.dumps({'error': {'message': str(error), 'type': 'server_error'}})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    # Quota refusals come before the stream starts, so they can still be a 403.
+    state.table.check_process_quota(tenant)
+    return StreamingResponse(sse(), media_type="text/event-stream")
+
+
+async def _guarded(handler) -> Any:
+    try:
+        return await handler()
+    except OpenAIError as error:
+        return error.response()
+    except HTTPException as error:  # the server's own checks (the bearer token)
+        kind, code = ("authentication_error", "invalid_api_key") if error.status_code == 401 else \
+            ("invalid_request_error", None)
+        return OpenAIError(error.status_code, str(error.detail), kind=kind, code=code).response()
+    except QuotaExceeded as error:
+        return OpenAIError(403, str(error), kind="quota_exceeded").response()
+    except CompletionFailed as error:
+        return OpenAIError(500, str(error), kind="server_error").response()
+
+
+@router.get("/models")
+async def models(request: Request):
+    async def handle():
+        state: ServerState = request.app.state.symphony
+        tenant_of(request)
+        name = state.engine.loaded.name
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(state.started_at),
+                                            "owned_by": "symphony"}]}
+    return await _guarded(handle)
+
+
+@router.post("/completions")
+async def completions(request: Request):
+    async def handle():
+        state: ServerState = request.app.state.symphony
+        tenant_of(request)
+        body: CompletionBody = await _parse(request, CompletionBody)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise OpenAIError(400, "one prompt per request", param="prompt")
+            prompt = prompt[0]
+        if body.echo:
+            raise OpenAIError(400, "echo is not supported", param="echo")
+        # Tokenizing a long prompt takes a while: off the event loop.
+        ids = await asyncio.to_thread(state.engine.tokenize, prompt) if isinstance(prompt, str) else list(prompt)
+        return await _respond(request, body, _sampling(state, body, ids, body.max_tokens, body.logprobs, chat=False),
+                              chat=False)
+    return await _guarded(handle)
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request):
+    async def handle():
+        state: ServerState = request.app.state.symphony
+        tenant_of(request)
+        body: ChatBody = await _parse(request, ChatBody)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        prompt_ids = await asyncio.to_thread(_chat_prompt, state, body)  # templating and tokenizing: off the loop
+        return await _respond(request, body, _sampling(state, body, prompt_ids, max_tokens, top, chat=True),
+                              chat=True)
+    return await _guarded(handle)

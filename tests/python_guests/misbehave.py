@@ -1,0 +1,112 @@
+"""A Python guest that misuses the system calls on purpose, for tests/test_python_sdk.py.
+Usage: misbehave MODE
+  errors  - bad handles, a closed KV file, unknown tickets and names, bad arguments: sends one
+            line `check=error-name` per misuse, then exits 0
+  crash   - prints to its log, then raises: exit code 1, the traceback in the log
+  calls N - times N cheap host calls of each kind; sends `call=microseconds` lines
+  limits  - runs into the per-process limits (run it with small ones): sends `check=outcome` lines"""
+import time
+
+import symphony
+from symphony import Kv, TopK
+from wit_world.imports import inference, kv as raw_kv
+
+
+def outcome(call) -> str:
+    try:
+        call()
+        return "ok"
+    except symphony.SymphonyError as error:
+        return type(error).__name__
+
+
+def errors() -> None:
+    closed = Kv.create()
+    handle = closed.handle
+    closed.close()
+    live = Kv.create()
+    checks = {
+        "unknown-handle": lambda: symphony._check(raw_kv.kv_len, 4242),
+        "closed-handle": lambda: symphony._check(raw_kv.kv_len, handle),
+        "closed-handle-pred": lambda: Kv(handle).pred([1]),
+        "close-twice": lambda: symphony._check(raw_kv.kv_close, handle),
+        "unknown-ticket": lambda: symphony._check(inference.pred_wait, 777),
+        "bad-token-id": lambda: symphony.detokenize([-1]),
+        "no-such-file": lambda: Kv.open("no/such/file"),
+        "top-k-zero": lambda: live.submit([1], TopK(0)),
+        "negative-truncate": lambda: live.truncate(-1),
+        "fork-unknown": lambda: Kv(999).fork(),
+        "no-such-tool": lambda: symphony.tool("format-disk", "now"),
+        "empty-pred": lambda: live.pred([]),
+    }
+    for name, call in checks.items():
+        symphony.send(f"{name}={outcome(call)}\n")
+    # The host is still fine with this process: a correct pred after all of that.
+    symphony.send(f"after={live.pred([1]).argmax() >= 0}\n")
+    live.close()
+
+
+def limits() -> None:
+    """Each check names the first error (or `ok`); the test sets small limits."""
+    with Kv.create() as kv:
+        symphony.send(f"pages={outcome(lambda: kv.next_token(list(range(1, 201))))}\n")
+    with Kv.create() as kv:
+        kv.next_token([1])
+        held = []
+        try:
+            for _ in range(100):
+                held.append(kv.pred([1]))
+                kv.truncate(1)
+            symphony.send("held=100\n")
+        except symphony.SymphonyError as error:
+            symphony.send(f"held={len(held)} {type(error).__name__}\n")
+        for distribution in held:
+            distribution.__exit__(None, None, None)  # drop: frees the host's copy
+        # Dropped distributions no longer count: a long loop of pred-then-drop runs.
+        for _ in range(50):
+            with kv.pred([1]) as distribution:
+                distribution.argmax()
+            kv.truncate(1)
+        symphony.send("pred-drop-loop=ok\n")
+    symphony.send(f"detokenize-2M={outcome(lambda: symphony.detokenize([7] * 2_000_000))}\n")
+    symphony.send(f"tokenize-2MB={outcome(lambda: symphony.tokenize('a' * 2_000_000))}\n")
+    limited = 0
+    for _ in range(500):
+        if outcome(lambda: symphony._check(raw_kv.kv_len, 4242)) == "LimitExceeded":
+            limited += 1
+    while outcome(lambda: symphony._check(raw_kv.kv_len, 4242)) == "LimitExceeded":
+        pass  # the next one-second window lets calls through again
+    symphony.send(f"rate-limited={limited > 0}\n")
+
+
+def calls(n: int) -> None:
+    handle = Kv.create()
+    timed = {
+        "vocab-size": lambda: symphony.vocab_size(),
+        "kv-len": lambda: len(handle),
+        "kv-len-error": lambda: outcome(lambda: symphony._check(raw_kv.kv_len, 4242)),
+        "tokenize-8": lambda: symphony.tokenize("one two three four five six seven eight"),
+    }
+    for name, call in timed.items():
+        started = time.perf_counter()
+        for _ in range(n):
+            call()
+        symphony.send(f"{name}={(time.perf_counter() - started) / n * 1e6:.1f}\n")
+    handle.close()
+
+
+def main(args: list[str]) -> int:
+    mode = args[0] if args else "errors"
+    if mode == "errors":
+        errors()
+    elif mode == "crash":
+        print("about to fail")
+        raise RuntimeError("boom")
+    elif mode == "limits":
+        limits()
+    elif mode == "calls":
+        calls(int(args[1]))
+    return 0
+
+
+WitWorld = symphony.program(main)

@@ -1,0 +1,68 @@
+"""A real `symphony serve` app on a loopback port, for the server tests: uvicorn on a thread of
+the test process, serving the stories260K model to six tenants (alice, bob, carol and dave
+without quotas, `tight` with small ones, `small` with room for a few short completions), with
+a one-second grace period."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import uvicorn
+
+from symphony_os.engine import Engine
+from symphony_os.server import ServerConfig, create_app
+from symphony_os.tenants import Tenants
+
+TOKENS = {name: f"token-of-{name}" for name in ("alice", "bob", "carol", "dave", "tight", "small")}
+TIGHT_QUOTAS = dict(max_processes=1, max_kv_pages=2, max_upload_bytes=4096, cpu_time_s=0.5)
+SMALL_QUOTAS = dict(max_kv_pages=8, max_upload_bytes=400)
+QUOTAS = {"tight": TIGHT_QUOTAS, "small": SMALL_QUOTAS}
+GRACE_S = 1.0
+MAX_UPLOAD_BYTES = 1 << 20
+
+
+@dataclass
+class Served:
+    url: str
+    engine: Engine
+    app: object
+
+
+def tenants_toml() -> str:
+    lines = []
+    for name, token in TOKENS.items():
+        lines += [f"[tenants.{name}]", f'token = "{token}"']
+        lines += [f"{key} = {value}" for key, value in QUOTAS.get(name, {}).items()]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="session")
+def served(stories_path, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("serve")
+    (directory / "tenants.toml").write_text(tenants_toml())
+    engine = Engine.from_path(stories_path, device="cpu", page_size=16, num_pages=4096)
+    config = ServerConfig(grace_s=GRACE_S, data_dir=directory / "programs", max_upload_bytes=MAX_UPLOAD_BYTES)
+    app = create_app(engine, Tenants.from_file(directory / "tenants.toml"), config)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield Served(f"http://127.0.0.1:{port}", engine, app)
+    server.should_exit = True
+    thread.join(60)
+
+
+def wait_until(condition, timeout_s: float = 30.0, interval_s: float = 0.05):
+    """Poll `condition` until it is truthy (returns it) or the time is up (returns the last value)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)

@@ -1,0 +1,67 @@
+"""The cache of compiled components (symphony_os/compile_cache.py): a directory of our own,
+files checked against their digest before they are loaded, and a bounded size."""
+import os
+import stat
+import uuid
+
+import pytest
+import wasmtime
+
+from symphony_os.compile_cache import CompileCache
+from symphony_os.component import compile_component
+from symphony_os.program import ProgramError, load_program
+
+
+def component_bytes() -> bytes:
+    """A small component no cache has seen (its export name is new)."""
+    return bytes(wasmtime.wat2wasm(f'(component (core module (func (export "f{uuid.uuid4().hex}"))))'))
+
+
+def test_cache_directory_is_private_and_tightened(tmp_path):
+    fresh = tmp_path / "fresh"
+    assert CompileCache.open(fresh) is not None
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o777)
+    os.chmod(loose, 0o777)
+    assert CompileCache.open(loose) is not None
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o700
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_bytes(b"")
+    assert CompileCache.open(not_a_directory) is None
+
+
+def test_a_file_that_does_not_match_its_digest_is_never_loaded(tmp_path):
+    cache = CompileCache.open(tmp_path)
+    cache.store("key", b"compiled code")
+    assert cache.load("key") == b"compiled code"
+    (tmp_path / "key.cwasm").write_bytes(b"compiled c0de")
+    assert cache.load("key") is None
+    assert not list(tmp_path.iterdir())  # both files removed
+    (tmp_path / "planted.cwasm").write_bytes(b"no digest of ours")
+    assert cache.load("planted") is None
+
+
+def test_cache_keeps_the_most_recently_used_within_its_size(tmp_path):
+    cache = CompileCache.open(tmp_path, max_bytes=2500)
+    for i, key in enumerate(["a", "b", "c"]):
+        cache.store(key, bytes(1000))
+        os.utime(tmp_path / f"{key}.cwasm", (1000 + i, 1000 + i))
+    cache.store("d", bytes(1000))  # over 2500: the least recently used go
+    assert sorted(path.name for path in tmp_path.glob("*.cwasm")) == ["c.cwasm", "d.cwasm"]
+    assert not list(tmp_path.glob(".*partial"))
+
+
+def test_compiled_component_is_cached_and_a_tampered_file_recompiled(tmp_path):
+    engine = wasmtime.Engine()
+    data = component_bytes()
+    compile_component(engine, data, cache_dir=tmp_path)
+    [compiled] = tmp_path.glob("*.cwasm")
+    compiled.write_bytes(b"\x00" * 64)  # not ours any more: refused, compiled again
+    assert compile_component(engine, data, cache_dir=tmp_path).type is not None
+    assert compiled.read_bytes() != b"\x00" * 64
+
+
+def test_component_compile_time_is_limited():
+    with pytest.raises(ProgramError, match="compiling the component took over the limit"):
+        load_program(wasmtime.Engine(), component_bytes(), compile_time_s=1e-3)

@@ -1,0 +1,170 @@
+"""The gallery in lips/: each program run on stories260K, asserting the property it exists for."""
+import json
+import re
+
+import pytest
+
+from guests import lip
+from symphony_os.engine import Engine
+from symphony_os.runtime import Runtime
+from symphony_os.tools import DOCS
+
+
+@pytest.fixture(scope="module")
+def engine(stories_path):
+    engine = Engine.from_path(stories_path, device="cpu", page_size=16, num_pages=1024)
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture
+def runtime(engine):
+    with Runtime(engine) as runtime:
+        yield runtime
+
+
+def run(runtime, name, args=(), messages=None, timeout_s=120):
+    """Run lips/NAME.wasm; returns (what it sent, its log)."""
+    out, log = [], []
+    process = runtime.spawn(runtime.load(lip(name)), list(args), on_output=out.append, on_log=log.append)
+    for message in messages or ():
+        process.deliver(message.encode())
+    if messages is not None:
+        process.close_input()
+    code = runtime.wait(process, timeout_s)
+    assert code == 0, (process.end_reason, "".join(log))
+    return b"".join(out).decode(), "".join(log)
+
+
+@pytest.mark.parametrize("temperature, seed", [(0, 0), (1.0, 1), (1.0, 2), (1.5, 3), (2.0, 4)])
+def test_json_schema_output_always_parses_and_matches(runtime, temperature, seed):
+    out, _ = run(runtime, "json_schema", ["Tom is a little boy. He is", str(temperature), str(seed)])
+    value = json.loads(out)
+    assert set(value) == {"name", "age"}
+    assert isinstance(value["name"], str) and re.fullmatch(r"[A-Za-z ]+", value["name"])
+    assert isinstance(value["age"], int) and value["age"] >= 0
+
+
+def test_watermark_detected_on_watermarked_text_only(runtime):
+    args = ["Once upon a time", "100", "42"]
+    marked, _ = run(runtime, "watermark", [*args, "4.0", "1"])
+    plain, _ = run(runtime, "watermark", [*args, "0", "1"])
+
+    def z_of(text, key="42"):
+        report, _ = run(runtime, "watermark_detect", [text.strip(), key])
+        return float(re.match(r"z=(-?[\d.]+) green=\d+ scored=(\d+)", report).group(1))
+
+    assert z_of(marked) > 4
+    assert z_of(plain) < 2
+    assert z_of(marked, key="7") < 2  # without the key the watermark is invisible
+
+
+def test_speculative_output_is_greedy_in_fewer_rounds(runtime, engine):
+    prompt = "Lily and Tom went to the park. Lily and Tom went to the park. Lily and Tom"
+    greedy, _ = run(runtime, "hello", [prompt, "100"])
+    plain, plain_log = run(runtime, "speculative", [prompt, "100", "0"])
+    fast, fast_log = run(runtime, "speculative", [prompt, "100", "4"])
+    assert plain == greedy and fast == greedy
+    counts = [tuple(map(int, re.search(r"(\d+) tokens in (\d+) pred rounds", log).groups()))
+              for log in (plain_log, fast_log)]
+    assert counts[0] == (100, 100)
+    tokens, rounds = counts[1]
+    assert tokens == 100 and rounds < 90, fast_log
+
+
+def test_tool_use_calls_the_tool_and_continues_with_its_result(runtime):
+    runtime.tools.calls.clear()
+    out, log = run(runtime, "tool_use", ["Tom wanted to know about cats. <read>cat</read>", "20"])
+    assert list(runtime.tools.calls) == [("docs", "cat")]
+    head, tail = out.split(DOCS["cat"])
+    assert "</result>" in tail and len(tail.split("</result>")[1].strip()) > 10  # kept generating
+    out, _ = run(runtime, "tool_use", ["Tom had <calc>12*7</calc> apples.", "5"])
+    assert "<result> 84 </result>" in out and runtime.tools.calls[-1] == ("calculator", "12*7")
+
+
+def test_tool_call_refuses_unregistered_tools(runtime):
+    out, log = run(runtime, "tool_use", ["<calc>__import__('os')</calc>", "1"])
+    assert "error -1" in out  # invalid-argument: the calculator parses, never evaluates
+    runtime.tools._tools.pop("docs")
+    try:
+        out, _ = run(runtime, "tool_use", ["<read>cat</read>", "1"])
+        assert "error -13" in out  # unsupported: the operator registered no such tool
+    finally:
+        runtime.tools.register("docs", __import__("symphony_os.tools").tools.docs)
+
+
+def test_graph_of_thought_prefills_once_forks_and_merges(runtime, engine):
+    branches, steps, conclusion = 4, 12, 12
+    prompt = "Lily wanted to find her lost ball. She looked under the bed and in the garden."
+    before = engine.stats().tokens
+    out, _ = run(runtime, "graph_of_thought", [prompt, str(branches), str(steps), str(conclusion)])
+    used = engine.stats().tokens - before
+    assert len(re.findall(r"^thought \d \(score -?[\d.]+\): .+$", out, re.M)) == branches
+    merged, best, second = map(int, re.search(r"-> (\d+) tokens \((\d+) \+ (\d+)\)", out).groups())
+    assert merged == best + second and second > 0
+    assert re.search(r"^conclusion: .+$", out, re.M)
+    prompt_tokens = len(engine.tokenize(prompt))
+    # Every token computed once: the prompt once (not once per thought), then the thoughts,
+    # the merge's two last tokens, " So" and the conclusion; the merge itself computes nothing.
+    assert used <= prompt_tokens + branches * steps + 2 + 2 + conclusion
+    assert used < 2 * prompt_tokens + branches * steps  # a second prefill would not fit
+
+
+def test_react_loop_runs_tools_and_computes_the_transcript_once(runtime, engine):
+    runtime.tools.calls.clear()
+    before = engine.stats().tokens
+    out, log = run(runtime, "react", ["How many legs do three cats have?", "docs:cat", "calculator:3*4"])
+    used = engine.stats().tokens - before
+    assert list(runtime.tools.calls) == [("docs", "cat"), ("calculator", "3*4")]
+    steps = re.findall(r"Thought:.*?\nAction: (\w+)\[(.*?)\].*?\nObservation: +(.*?) *\n", out, re.S)
+    assert [s[:2] for s in steps] == [("docs", "cat"), ("calculator", "3*4")]
+    assert steps[1][2] == "12" and DOCS["cat"] in steps[0][2]
+    assert re.search(r"\nFinal answer:.+", out)
+    kv_tokens = int(re.search(r"(\d+) in the KV file", log).group(1))
+    assert used == kv_tokens  # no turn re-sent the transcript
+
+
+def test_code_assist_undo_keeps_kv_and_delete_drops_it(runtime, engine):
+    session = ["open a Once upon a time", "open b Tom had a dog", "complete a 8", "complete a 5", "undo a",
+               "complete b 4", "delete b"]
+    before = engine.stats().tokens
+    out, _ = run(runtime, "code_assist", ["5000", "60000"], messages=session)
+    lines = out.splitlines()
+    prefilled = [int(re.match(r"opened \w: (\d+) tokens prefilled", line).group(1)) for line in lines[:2]]
+    assert prefilled == [len(engine.tokenize("Once upon a time")) - 1, len(engine.tokenize("Tom had a dog")) - 1]
+    assert lines[2].startswith("suggestion a:") and lines[3].startswith("suggestion a:")
+    restored = int(re.match(r"undo a: restored (\d+) tokens, none recomputed", lines[4]).group(1))
+    assert restored == prefilled[0] + 8  # the first suggestion's KV, kept alive for the undo
+    assert lines[-1] == "deleted b"
+    files = {f.name: f for f in engine.kvfs.list_files("default", "doc/")}
+    assert "doc/b" not in files  # the deleted file's KV is gone now, not at the next eviction
+    assert files["doc/a"].hints.keep_for_s == 60 and files["doc/a"].hints.priority == 1
+    # The undo recomputed nothing: the tokens computed are the prefills and the suggestions.
+    assert engine.stats().tokens - before == sum(prefilled) + 8 + 5 + 4
+    # A second session finds doc/a kept and prefills nothing.
+    out, _ = run(runtime, "code_assist", ["0"], messages=["open a Once upon a time", "complete a 2", "complete a 2",
+                                                          "undo a", "delete a"])
+    assert out.splitlines()[0] == "opened a: 0 tokens prefilled"
+    assert out.splitlines()[3] == "undo a: nothing kept"  # the undo window was 0 ms
+    assert not engine.kvfs.list_files("default", "doc/")
+
+
+
+def test_tool_use_runs_the_earliest_tag_in_the_text(runtime):
+    runtime.tools.calls.clear()
+    run(runtime, "tool_use", ["Tom asked <calc>6*7</calc> and then <read>cat</read>", "4"])
+    assert list(runtime.tools.calls) == [("calculator", "6*7")]
+
+def test_watermark_runs_on_a_vocabulary_past_65536_tokens(tmp_path):
+    """Its logit bias covers about half the vocabulary: ~70,000 entries at 140,000 tokens
+    (Qwen's vocabulary is 151,936), all accepted since biases may cover the whole vocabulary."""
+    from conftest import build_hf_model
+
+    path = build_hf_model(tmp_path, "llama", vocab_size=140_000, hidden_size=32, intermediate_size=48,
+                          num_hidden_layers=1)
+    engine = Engine.from_path(path, device="cpu", page_size=16, num_pages=64)
+    try:
+        with Runtime(engine) as runtime:
+            run(runtime, "watermark", ["Once upon a time", "3", "42", "4.0", "1"])
+    finally:
+        engine.stop()

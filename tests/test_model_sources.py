@@ -1,0 +1,166 @@
+"""Where models come from: the bundled default model, a GGUF file, a Hugging Face directory, a
+hub id (from the cache, or a clear error offline), and `symphony models`. Each loaded model gives
+the same logits as transformers' own model on the same weights."""
+from __future__ import annotations
+
+import shutil
+
+import huggingface_hub.constants
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from conftest import SHARED_MODEL, build_hf_model, greedy_continuation
+from symphony_os.cli import main
+from symphony_os.engine import Engine
+from symphony_os.loader import DEFAULT_MODEL_DIR, ModelLoadError, default_model_path, load_model
+from test_model_parity import PROMPT, _our_logits, assert_matches_transformers
+
+GGUF = SHARED_MODEL.parent / "stories260K.gguf"
+
+
+@pytest.fixture(scope="module")
+def stories_gguf():
+    if not GGUF.is_file():
+        pytest.skip(f"needs {GGUF} (../shared beside the checkout)")
+    return GGUF
+
+
+def test_default_model_is_the_bundled_one(monkeypatch):
+    monkeypatch.delenv("SYMPHONY_MODEL", raising=False)
+    assert default_model_path() == DEFAULT_MODEL_DIR
+    monkeypatch.setenv("SYMPHONY_MODEL", "/somewhere/else")
+    assert str(default_model_path()) == "/somewhere/else"
+
+
+def test_default_model_is_small_and_documented():
+    weights = sum(f.stat().st_size for f in DEFAULT_MODEL_DIR.iterdir())
+    assert weights <= 20 * 2**20, f"the default model takes {weights / 2**20:.1f} MiB"
+    card = (DEFAULT_MODEL_DIR / "README.md").read_text()
+    assert "Intended use" in card and "loss.png" in card
+    assert (DEFAULT_MODEL_DIR / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_default_model_logits_match_transformers():
+    engine = Engine.from_path(DEFAULT_MODEL_DIR, device="cpu", num_pages=8)
+    prompt = engine.tokenize("class Stack:\n    def push(self, item):\n")
+    assert_matches_transformers(DEFAULT_MODEL_DIR, prompt, device="cpu", page_size=16, num_pages=64)
+
+
+def test_default_model_writes_python():
+    engine = Engine.from_path(DEFAULT_MODEL_DIR, device="cpu")
+    text = greedy_continuation(engine, "import os\n\n\ndef read_config(path):\n", 48)
+    # Indented body lines, a call, and Python's vocabulary.
+    assert "\n    " in text and "(" in text, text
+    assert any(word in text for word in ("return", "self", "if ", "for ", "=", '"""')), text
+
+
+def test_default_model_prefers_python_to_shuffled_python():
+    """Held-out style check: real code is far more likely under the model than the same tokens shuffled."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32)
+    source = (
+        "def merge_sorted(left, right):\n"
+        '    """Return one sorted list made of two sorted lists."""\n'
+        "    result = []\n"
+        "    i = j = 0\n"
+        "    while i < len(left) and j < len(right):\n"
+        "        if left[i] <= right[j]:\n"
+        "            result.append(left[i])\n"
+        "            i += 1\n"
+        "        else:\n"
+        "            result.append(right[j])\n"
+        "            j += 1\n"
+        "    return result + left[i:] + right[j:]\n"
+    )
+    ids = torch.tensor([tokenizer.encode(source)])
+    shuffled = torch.cat([ids[:, :1], ids[:, 1:][:, torch.randperm(ids.shape[1] - 1, generator=torch.Generator().manual_seed(0))]], 1)
+    with torch.no_grad():
+        real = model(input_ids=ids, labels=ids).loss.item()
+        noise = model(input_ids=shuffled, labels=shuffled).loss.item()
+    assert real < noise - 1.0, (real, noise)
+
+
+def test_gguf_logits_match_transformers_reading_the_same_gguf(stories_gguf):
+    config = AutoConfig.from_pretrained(stories_gguf.parent, gguf_file=stories_gguf.name)
+    config.pad_token_id = None  # llama.cpp's 0xFFFFFFFF ("no padding token") is not an id
+    reference = AutoModelForCausalLM.from_pretrained(stories_gguf.parent, gguf_file=stories_gguf.name,
+                                                     config=config, dtype=torch.float32)
+    engine = Engine.from_path(stories_gguf, device="cpu", num_pages=8)
+    prompt = engine.tokenize("Once upon a time, a little dog")
+    assert_matches_transformers(stories_gguf, prompt, device="cpu", reference_model=reference,
+                                page_size=16, num_pages=64)
+
+
+def test_gguf_and_hf_directory_of_one_model_agree(stories_gguf, stories_path):
+    gguf = Engine.from_path(stories_gguf, device="cpu", page_size=16, num_pages=64)
+    hf = Engine.from_path(stories_path, device="cpu", page_size=16, num_pages=64)
+    text = "Once upon a time, there was a little girl named Lily."
+    assert gguf.tokenize(text) == hf.tokenize(text)
+    assert gguf.detokenize(gguf.tokenize(text)) == text
+    assert gguf.loaded.eos_token_ids == hf.loaded.eos_token_ids and gguf.loaded.bos_token_id == hf.loaded.bos_token_id
+    prompt = hf.tokenize("Once upon a time")
+    ours_gguf, tokens_gguf = _our_logits(gguf, prompt, 10)
+    ours_hf, tokens_hf = _our_logits(hf, prompt, 10)
+    assert tokens_gguf == tokens_hf
+    assert max((a - b).abs().max().item() for a, b in zip(ours_gguf, ours_hf)) <= 1e-5
+
+
+def _cache_with(tmp_path, repo_id: str, model_dir) -> None:
+    """Lay out a Hugging Face hub cache holding `model_dir` as `repo_id`, as a download would."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(model_dir, repo / "snapshots" / commit)
+
+
+def test_hub_id_loads_from_the_cache_without_network(tmp_path, monkeypatch):
+    model_dir = build_hf_model(tmp_path / "src", "qwen2")
+    _cache_with(tmp_path, "symphony-tests/tiny-qwen2", model_dir)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    loaded = load_model("symphony-tests/tiny-qwen2", device="cpu")
+    assert loaded.config.model_type == "qwen2"
+    assert_matches_transformers("symphony-tests/tiny-qwen2", PROMPT, steps=4, page_size=4, num_pages=64,
+                                reference_model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
+
+    result = CliRunner().invoke(main, ["models"])
+    assert result.exit_code == 0, result.output
+    assert "symphony-tests/tiny-qwen2" in result.output and "hf-cache" in result.output
+
+
+def test_unreachable_hub_id_is_a_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelLoadError, match="download it where the network allows"):
+        load_model("symphony-tests/not-here")
+    result = CliRunner().invoke(main, ["info", "--model", "symphony-tests/not-here"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1 and "symphony-tests/not-here" in result.output
+
+
+def test_model_source_errors_name_the_problem(tmp_path):
+    with pytest.raises(ModelLoadError, match="no such directory or .gguf file"):
+        load_model(tmp_path / "missing")
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 16)
+    with pytest.raises(ModelLoadError, match="must be .gguf"):
+        load_model(tmp_path / "weights.bin")
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF" + b"\0" * 12)
+    with pytest.raises(ModelLoadError, match="broken.gguf"):
+        load_model(tmp_path / "broken.gguf")
+
+
+def test_models_command_lists_the_default_and_shared_models(monkeypatch):
+    monkeypatch.delenv("SYMPHONY_MODEL", raising=False)
+    result = CliRunner().invoke(main, ["models"])
+    assert result.exit_code == 0, result.output
+    rows = result.output.splitlines()
+    assert rows[0].split()[:4] == ["name", "where", "format", "size"]
+    assert any(" default " in row and str(DEFAULT_MODEL_DIR) in row for row in rows)
+    if SHARED_MODEL.is_dir():
+        assert any("stories260K" in row and " gguf " in row for row in rows)
+        assert any("stories260K" in row and " hf " in row for row in rows)

@@ -1,0 +1,201 @@
+"""Python LIPs: components built with componentize-py from guest_sdk/python, run by the same
+runtime as core modules. Builds are cached by content hash under build/python-lips (a fresh
+build takes 5-20 s)."""
+import hashlib
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import wasmtime
+from click.testing import CliRunner
+
+from guests import lip
+from symphony_os.cli import main
+from symphony_os.component import _INTERFACES
+from symphony_os.engine import Engine
+from symphony_os.errors import ErrorCode
+from symphony_os.limits import ProcessLimits
+from symphony_os.process import EXIT_KILLED
+from symphony_os.program import ProgramError
+from symphony_os.runtime import Runtime
+from symphony_os.wit import read_wit
+
+ROOT = Path(__file__).resolve().parent.parent
+SDK = ROOT / "guest_sdk" / "python"
+WIT = SDK / "wit" / "symphony.wit"
+CACHE = ROOT / "build" / "python-lips"
+COMPONENTIZE = Path(sys.executable).parent / "componentize-py"
+
+
+def build_python(module: str, directory: Path) -> Path:
+    """Build `directory/module.py` into a component, reusing a build of the same sources."""
+    if not COMPONENTIZE.exists():
+        pytest.skip("componentize-py is not installed (pip install -e '.[dev]')")
+    sources = [directory / f"{module}.py", SDK / "symphony.py", WIT]
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:16]
+    out = CACHE / f"{module}-{digest}.wasm"
+    if not out.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        partial = out.with_suffix(".partial")
+        subprocess.run([str(COMPONENTIZE), "-d", str(WIT.parent), "-w", "lip-python", "componentize", "-p", str(SDK),
+                        "-p", str(directory), module, "-o", str(partial)], check=True, capture_output=True)
+        partial.replace(out)
+    return out
+
+
+def python_lip(name: str) -> Path:
+    return build_python(name, ROOT / "lips" / "python")
+
+
+def misbehave() -> Path:
+    return build_python("misbehave", ROOT / "tests" / "python_guests")
+
+
+@pytest.fixture
+def engine(stories_path):
+    engine = Engine.from_path(stories_path, device="cpu", page_size=16, num_pages=2048)
+    yield engine
+    assert engine.pool.stats().used == 0, engine.pool.stats()
+
+
+def run(runtime, path, args, timeout_s=120, expect=0):
+    out, log = [], []
+    process = runtime.spawn(runtime.load(path), args, on_output=out.append, on_log=log.append)
+    code = runtime.wait(process, timeout_s)
+    assert code == expect, (process.end_reason, "".join(log))
+    return b"".join(out).decode(), "".join(log)
+
+
+# ---- one source of truth ----
+
+def test_component_world_has_the_calls_and_errors_of_the_core_wit():
+    core, core_errors = read_wit()
+    component, component_errors = read_wit(WIT)
+    assert component_errors == core_errors
+    assert [c.replace("-", "_").upper() for c in component_errors] == [e.name for e in ErrorCode]
+    by_interface = lambda functions: {(f.interface, f.name) for f in functions}
+    methods = {(f.interface, f.name) for f in component if f.name in ("argmax", "top-k", "logprob", "sample")}
+    assert by_interface(component) - methods == by_interface(core)
+    # The host serves every call of the world, and nothing else.
+    served = {(interface, name) for interface, calls in _INTERFACES.items() for name in calls
+              if not name.startswith("[method]")}
+    assert served == by_interface(core)
+    assert {name.split(".")[1] for name in _INTERFACES["inference"] if name.startswith("[method]")} == \
+        {name for _, name in methods}
+    assert re.search(r"resource distribution", WIT.read_text())
+
+
+# ---- the gallery in Python ----
+
+def test_hello_py_gives_the_same_tokens_as_hello_c(engine):
+    with Runtime(engine) as runtime:
+        python, _ = run(runtime, python_lip("hello"), ["Once upon a time", "40"])
+        c, _ = run(runtime, lip("hello"), ["Once upon a time", "40"])
+    assert python == c
+    assert python.startswith("Once upon a time") and len(python) > 60
+
+
+def test_beam_py_matches_beam_c_and_its_beams_share_batches(engine):
+    with Runtime(engine) as runtime:
+        python, _ = run(runtime, python_lip("beam"), ["Once upon a time", "3", "10"])
+        stats = engine.stats()
+        c, _ = run(runtime, lip("beam"), ["Once upon a time", "3", "10"])
+    assert python == c and "\nscore -" in python
+    # 3 beams' top-k preds in flight together: 1 prefill + 1 + 9 rounds of 3.
+    assert stats.sequences == 1 + 1 + 9 * 3 and stats.batches == 1 + 10
+
+
+def test_python_and_c_lips_share_batches(engine):
+    with Runtime(engine) as runtime:
+        alone, _ = run(runtime, python_lip("hello"), ["One day", "24"])
+        before = engine.stats()
+        outputs = {}
+        processes = []
+        for path in (python_lip("hello"), lip("hello"), python_lip("hello"), lip("hello")):
+            out = []
+            processes.append((runtime.spawn(runtime.load(path), ["One day", "24"], on_output=out.append), out))
+        for process, out in processes:
+            assert runtime.wait(process, 120) == 0, process.end_reason
+            outputs[process.pid] = b"".join(out).decode()
+        after = engine.stats()
+    assert set(outputs.values()) == {alone}
+    batches, sequences = after.batches - before.batches, after.sequences - before.sequences
+    assert sequences / batches > 1.5
+
+
+# ---- misbehaving guests ----
+
+def test_misbehaving_python_guest_gets_error_codes_and_the_host_survives(engine):
+    with Runtime(engine) as runtime:
+        out, _ = run(runtime, misbehave(), ["errors"])
+        checks = dict(line.split("=") for line in out.splitlines())
+        assert checks == {
+            "unknown-handle": "BadHandle", "closed-handle": "BadHandle", "closed-handle-pred": "BadHandle",
+            "close-twice": "BadHandle", "unknown-ticket": "BadHandle", "bad-token-id": "InvalidArgument",
+            "no-such-file": "FileNotFound", "top-k-zero": "InvalidArgument", "negative-truncate": "InvalidArgument",
+            "fork-unknown": "BadHandle", "no-such-tool": "Unsupported", "empty-pred": "InvalidArgument",
+            "after": "True",
+        }
+        hello, _ = run(runtime, python_lip("hello"), ["Once upon a time", "8"])
+        assert hello.startswith("Once upon a time")
+
+
+def test_python_guest_killed_while_waiting_on_pred_ends_and_frees_its_kv(engine):
+    with Runtime(engine) as runtime:
+        first_output = threading.Event()
+        process = runtime.spawn(runtime.load(python_lip("hello")), ["Once upon a time", "100000"],
+                                on_output=lambda data: first_output.set())
+        assert first_output.wait(60)
+        runtime.kill(process.pid, "test")
+        assert runtime.wait(process, 30) == EXIT_KILLED
+        hello, _ = run(runtime, python_lip("hello"), ["Once upon a time", "4"])
+        assert hello.startswith("Once upon a time")
+    assert not process.component_calls.distributions
+
+
+def test_python_guest_runs_into_the_same_limits_as_a_core_module(engine):
+    """KV pages, distribution memory (dropping one frees it), argument sizes and the host-call
+    rate apply to components through the same code as to core modules."""
+    one_distribution = 4 * engine.loaded.config.vocab_size
+    limits = ProcessLimits(kv_pages=4, distribution_bytes=10 * one_distribution, hostcalls_per_s=300)
+    with Runtime(engine) as runtime:
+        out = []
+        process = runtime.spawn(runtime.load(misbehave()), ["limits"], on_output=out.append, limits=limits)
+        assert runtime.wait(process, 120) == 0, process.end_reason
+    checks = dict(line.split("=") for line in b"".join(out).decode().splitlines())
+    assert checks == {
+        "pages": "LimitExceeded", "held": "10 LimitExceeded", "pred-drop-loop": "ok",
+        "detokenize-2M": "InvalidArgument", "tokenize-2MB": "InvalidArgument", "rate-limited": "True",
+    }
+    assert not process.component_calls.distributions
+
+
+def test_python_guest_exception_exits_1_with_traceback_and_prints_in_its_log(engine):
+    with Runtime(engine) as runtime:
+        _, log = run(runtime, misbehave(), ["crash"], expect=1)
+    assert "about to fail" in log and "RuntimeError: boom" in log
+
+
+@pytest.mark.parametrize("wat, message", [
+    ('(component (import "evil:disk/format" (instance)))', "unknown import evil:disk/format"),
+    ('(component (import "wasi:http/outgoing-handler@0.2.0" (instance)))', "unknown import wasi:http"),
+    ('(component (import "symphony:component/raw-memory@0.1.0" (instance)))', "no such interface"),
+    ("(component)", "exports no `run"),
+    ('(component (core module $m (func (export "f"))) (core instance $i (instantiate $m)) '
+     '(func (export "run") (canon lift (core func $i "f"))))', "exports no `run: func"),
+])
+def test_bad_components_are_refused_with_one_line(engine, wat, message):
+    with Runtime(engine) as runtime:
+        with pytest.raises(ProgramError, match=message) as info:
+            runtime.load(bytes(wasmtime.wat2wasm(wat)))
+    assert "\n" not in str(info.value)
+
+
+def test_symphony_run_takes_a_python_lip(stories_path):
+    result = CliRunner().invoke(main, ["run", "--model", str(stories_path), "--device", "cpu",
+                                       str(python_lip("hello")), "--", "Once upon a time", "6"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("Once upon a time")

@@ -1,0 +1,334 @@
+"""symphony serve: upload, launch, stream over WebSocket, ps / kill / detach / re-attach, the
+CLI and Python clients, refusing bad uploads, the grace period, /health and /metrics. Every
+test talks to a real server on a loopback port (tests/served.py)."""
+import asyncio
+import logging
+import time
+
+import httpx
+import pytest
+import websockets
+from click.testing import CliRunner
+
+from guests import lip, wat
+from served import GRACE_S, MAX_UPLOAD_BYTES, TOKENS, served, wait_until  # noqa: F401 (fixture)
+from symphony_os.cli import main
+from symphony_os.client import AsyncClient, Client, ServerError
+from symphony_os.errors import InputClosed
+from symphony_os.process import INBOX_BYTES
+from symphony_os.process_table import BUFFER_BYTES, LOG_TAIL_CHARS
+
+ECHO = wat('''(module
+  (import "symphony" "recv" (func $recv (param i32 i32) (result i32)))
+  (import "symphony" "send" (func $send (param i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (func (export "_start") (local $n i32)
+    (block $done (loop $next
+      (local.set $n (call $recv (i32.const 0) (i32.const 1024)))
+      (br_if $done (i32.lt_s (local.get $n) (i32.const 0)))
+      (drop (call $send (i32.const 0) (local.get $n)))
+      (br $next)))))''')
+
+# Fills a KV file with 40 tokens (3 pages), says "ready", then waits for a message.
+HOLD_KV = wat('''(module
+  (import "symphony" "kv_create" (func $create (result i32)))
+  (import "symphony" "pred_submit" (func $submit (param i32 i32 i32 i32 i32 i32) (result i32)))
+  (import "symphony" "pred_wait" (func $wait (param i32 i32 i32) (result i32)))
+  (import "symphony" "send" (func $send (param i32 i32) (result i32)))
+  (import "symphony" "recv" (func $recv (param i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 0) "''' + "\\01\\00\\00\\00" * 40 + '''")
+  (data (i32.const 256) "ready")
+  (func (export "_start")
+    (drop (call $wait (call $submit (call $create) (i32.const 0) (i32.const 0) (i32.const 40) (i32.const 2)
+                             (i32.const 0)) (i32.const 0) (i32.const 0)))
+    (drop (call $send (i32.const 256) (i32.const 5)))
+    (drop (call $recv (i32.const 512) (i32.const 64)))))''')
+
+SPIN = wat('(module (memory (export "memory") 1) (func (export "_start") (loop $l (br $l))))')
+
+# Writes 64 KiB to stderr 4 times, then sends 64 KiB 100 times (6.25 MiB in all) and exits.
+LOUD = wat('''(module
+  (import "symphony" "send" (func $send (param i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "fd_write" (func $fd_write (param i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 2)
+  (func (export "_start") (local $i i32)
+    (i32.store (i32.const 0) (i32.const 16))
+    (i32.store (i32.const 4) (i32.const 65536))
+    (loop $log
+      (drop (call $fd_write (i32.const 2) (i32.const 0) (i32.const 1) (i32.const 8)))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br_if $log (i32.lt_u (local.get $i) (i32.const 4))))
+    (local.set $i (i32.const 0))
+    (loop $out
+      (drop (call $send (i32.const 16) (i32.const 65536)))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br_if $out (i32.lt_u (local.get $i) (i32.const 100))))))''')
+
+EXAMPLES = {
+    "hello": ["Once upon a time", "30"],
+    "parallel": ["Once upon a time, there was a cat.", "8", "The cat", "One day", "Tom"],
+    "beam": ["Once upon a time", "3", "8"],
+}
+
+
+@pytest.fixture
+def alice(served):
+    with Client(served.url, TOKENS["alice"]) as client:
+        yield client
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_every_example_lip_over_the_server_prints_what_symphony_run_prints(served, alice, stories_path, name):
+    local = CliRunner().invoke(main, ["run", "--model", str(stories_path), str(lip(name)), "--", *EXAMPLES[name]])
+    assert local.exit_code == 0, local.output
+    program = alice.upload(lip(name))
+    result = alice.run(program["sha256"], EXAMPLES[name])
+    assert (result.exit_code, result.state, result.reason) == (0, "exited", "exit 0")
+    assert result.output.decode() == local.stdout
+    for f in alice.kv_ls("prefix/"):  # parallel's saved prefix
+        alice.kv_rm(f["path"])
+
+
+def test_messages_reach_recv_and_output_log_and_exit_come_back(alice):
+    program = alice.upload(ECHO, "echo")
+    assert program["size"] == len(ECHO) and len(program["sha256"]) == 64
+    assert [p["sha256"] for p in alice.programs()].count(program["sha256"]) == 1
+    result = alice.run(program["sha256"], messages=["hi", b"\x00binary\xff", "a longer message"])
+    assert result.output == b"hi\x00binary\xffa longer message"
+    assert (result.exit_code, result.reason) == (0, "exit 0")
+
+
+def test_log_lines_of_a_failing_program_are_streamed(alice):
+    program = alice.upload(lip("hello"))
+    result = alice.run(program["sha256"], ["Once upon a time", "100000"])
+    assert result.exit_code == 1 and "cannot tokenize" in result.log
+
+
+def test_detach_and_reattach_keep_the_process_and_its_output(served, alice):
+    echo = alice.upload(ECHO, "echo")["sha256"]
+    pid = alice.launch(echo)["pid"]
+    stream = alice.attach(pid)
+    stream.send("one")
+    assert next(stream) == {"type": "output", "data": b"one"}
+    stream.detach()
+    assert alice.inspect(pid)["detached"] and alice.inspect(pid)["state"] == "blocked-on-recv"
+    time.sleep(GRACE_S * 1.5)  # detached on purpose: the grace period does not apply
+    assert pid in [p["pid"] for p in alice.ps()]
+    stream = alice.attach(pid)
+    with pytest.raises(ServerError) as second:  # one client at a time
+        next(alice.attach(pid))
+    assert second.value.status == 409
+    stream.send("two")
+    stream.close_input()
+    frames = list(stream)
+    assert frames[0] == {"type": "output", "data": b"two"}
+    assert frames[-1] == {"type": "exit", "code": 0, "state": "exited", "reason": "exit 0"}
+    assert pid not in [p["pid"] for p in alice.ps()] and pid in [p["pid"] for p in alice.ps(all=True)]
+
+
+def test_kill_ends_a_running_process(alice):
+    echo = alice.upload(ECHO, "echo")["sha256"]
+    pid = alice.launch(echo, detached=True)["pid"]
+    alice.kill(pid)
+    info = wait_until(lambda: (i := alice.inspect(pid))["state"] == "killed" and i)
+    assert info["exit_code"] == 137 and info["end_reason"] == "killed by its tenant"
+
+
+def test_a_vanished_clients_process_and_kv_pages_are_gone_after_the_grace_period(served, alice):
+    used_before = served.engine.pool.stats().used
+    pid = alice.launch(alice.upload(HOLD_KV, "hold")["sha256"])["pid"]
+    stream = alice.attach(pid)
+    assert next(stream) == {"type": "output", "data": b"ready"}
+    assert served.engine.pool.stats().used >= used_before + 3
+    stream.close()  # vanish mid-stream, without detaching
+    assert wait_until(lambda: alice.inspect(pid)["state"] == "killed", timeout_s=GRACE_S + 20)
+    assert "no client attached" in alice.inspect(pid)["end_reason"]
+    assert pid not in [p["pid"] for p in alice.ps()]
+    assert served.engine.pool.stats().used == used_before
+
+
+def test_detached_launch_survives_without_a_client(alice):
+    pid = alice.launch(alice.upload(ECHO, "echo")["sha256"], detached=True)["pid"]
+    time.sleep(GRACE_S * 1.5)
+    assert alice.inspect(pid)["state"] == "blocked-on-recv"
+    alice.kill(pid)
+
+
+BAD_UPLOADS = {
+    "not wasm": (b"#!/bin/sh\necho hi\n", 400, "not a WebAssembly module"),
+    "truncated": (lip("hello").read_bytes()[:1000], 400, "invalid WebAssembly"),
+    "wrong imports": (wat('(module (import "env" "system" (func)) (memory (export "memory") 1) '
+                          '(func (export "_start")))'), 400, "unknown import env.system"),
+    "huge": (b"\x00asm\x01\x00\x00\x00" + bytes(MAX_UPLOAD_BYTES), 413, "limit"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_UPLOADS))
+def test_malformed_upload_is_refused_with_a_reason_and_the_server_keeps_serving(alice, case):
+    data, status, reason = BAD_UPLOADS[case]
+    with pytest.raises(ServerError) as refused:
+        alice.upload(data, "bad")
+    assert refused.value.status == status and reason in refused.value.reason
+    assert alice.run(alice.upload(ECHO, "echo")["sha256"], messages=["still here"]).output == b"still here"
+
+
+def test_bad_requests_get_clear_errors(served, alice):
+    headers = {"Authorization": f"Bearer {TOKENS['alice']}"}
+    echo = alice.upload(ECHO, "echo")["sha256"]
+    cases = [("post", "/processes", {"json": {"program": "0" * 64}}, 404, "no program"),
+             ("post", "/processes", {"json": {"program": echo, "args": [1, 2]}}, 422, "args"),
+             ("post", "/processes", {"content": b"{not json"}, 422, ""),
+             ("post", "/processes", {"json": {"program": echo, "env": {"A=B": "x"}}}, 400, "env"),
+             ("get", "/processes/notanumber", {}, 422, "pid"),
+             ("delete", "/kv/bad%20name", {}, 400, "bad KV file name")]
+    for method, path, kwargs, status, reason in cases:
+        response = getattr(httpx, method)(served.url + path, headers=headers, **kwargs)
+        assert response.status_code == status, (path, response.text)
+        assert reason in response.text
+
+
+def test_cli_upload_launch_ps_kill_and_kv(served, alice, tmp_path):
+    env = {"SYMPHONY_SERVER": served.url, "SYMPHONY_TOKEN": TOKENS["alice"]}
+    runner = CliRunner(env=env)
+    uploaded = runner.invoke(main, ["upload", str(lip("hello"))])
+    assert uploaded.exit_code == 0, uploaded.output
+    sha = uploaded.output.strip()
+    launched = runner.invoke(main, ["launch", sha, "--", "Once upon a time", "12"])
+    assert launched.exit_code == 0 and launched.stdout.startswith("Once upon a time, there was")
+    # A file path is uploaded first; stdin lines reach recv.
+    echo_path = tmp_path / "echo.wasm"
+    echo_path.write_bytes(ECHO)
+    piped = runner.invoke(main, ["launch", str(echo_path)], input="first\nsecond\n")
+    assert piped.exit_code == 0 and piped.stdout == "firstsecond"
+    detached = runner.invoke(main, ["launch", "--detach", alice.upload(ECHO, "echo")["sha256"]])
+    pid = int(detached.stdout)
+    listed = runner.invoke(main, ["ps"])
+    assert listed.exit_code == 0 and any(line.split()[0] == str(pid) for line in listed.stdout.splitlines()[1:])
+    assert runner.invoke(main, ["kill", str(pid)]).exit_code == 0
+    assert wait_until(lambda: alice.inspect(pid)["state"] == "killed")
+    parallel = runner.invoke(main, ["launch", str(lip("parallel")), "--", "A dog.", "2", "Hi"])
+    assert parallel.exit_code == 0, parallel.output
+    files = runner.invoke(main, ["kv", "ls", "--json"])
+    assert files.exit_code == 0 and '"prefix/' in files.stdout
+    path = next(line.split()[-1] for line in runner.invoke(main, ["kv", "ls"]).stdout.splitlines())
+    assert runner.invoke(main, ["kv", "rm", path]).exit_code == 0
+    missing = runner.invoke(main, ["kv", "rm", path])
+    assert missing.exit_code == 1 and "404" in missing.output and "no KV file" in missing.output
+    unauthorized = CliRunner(env={**env, "SYMPHONY_TOKEN": "wrong-token"}).invoke(main, ["ps"])
+    assert unauthorized.exit_code == 1 and "401" in unauthorized.output
+
+
+def test_health_metrics_and_openapi(served, alice):
+    health = httpx.get(served.url + "/health").json()
+    assert health["status"] == "ok" and health["model"] == "stories260K"
+    alice.run(alice.upload(lip("hello"))["sha256"], ["Once upon a time", "5"])
+    text = httpx.get(served.url + "/metrics").text
+    samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+               if line and not line.startswith("#")}
+    assert samples["symphony_batches_total"] > 0 and samples["symphony_tokens_total"] > 0
+    assert samples['symphony_kv_pages{kind="total"}'] == 4096
+    assert 'symphony_processes{state="exited"}' in samples and "symphony_batch_size_mean" in samples
+    paths = httpx.get(served.url + "/openapi.json").json()["paths"]
+    assert {"/programs", "/processes", "/processes/{pid}", "/kv", "/v1/chat/completions"} <= set(paths)
+
+
+def test_reattaching_after_the_exit_was_delivered_gets_the_exit_frame_again(served):
+    table = served.app.state.symphony.table
+    grace_s, table.grace_s = table.grace_s, 60.0  # keep the ended process listed meanwhile
+
+    async def attach_twice():
+        async with AsyncClient(served.url, TOKENS["alice"]) as client:
+            pid = (await client.launch((await client.upload(ECHO, "echo"))["sha256"]))["pid"]
+            first = await client.attach(pid)
+            await first.close_input()
+            seen = [frame async for frame in first]
+            await first.close()
+            second = await client.attach(pid)
+            again = await asyncio.wait_for(second.__anext__(), 30)  # waited forever before
+            await second.close()
+            return seen, again
+
+    try:
+        seen, again = asyncio.run(attach_twice())
+    finally:
+        table.grace_s = grace_s
+    assert seen[-1]["type"] == "exit" and again == seen[-1]
+
+
+def test_input_is_refused_past_the_inbox_limit_and_after_the_end(served, alice):
+    pid = alice.launch(alice.upload(SPIN, "spin")["sha256"])["pid"]  # never reads its input
+    stream = alice.attach(pid)
+    for _ in range(INBOX_BYTES // 2**20 + 1):
+        stream.send(b"x" * 2**20)
+    stream.kill()
+    frames = list(stream)
+    refused = [f for f in frames if f["type"] == "error"]
+    assert len(refused) == 1 and "unread messages" in refused[0]["message"]
+    assert frames[-1]["type"] == "exit" and frames[-1]["state"] == "killed"
+    process = served.app.state.symphony.table.records[pid].process
+    assert process.peek_input() is None  # its inbox went with it
+    with pytest.raises(InputClosed):
+        process.deliver(b"late")
+
+
+def test_frames_no_client_took_are_bounded_in_bytes(served, alice):
+    pid = alice.launch(alice.upload(LOUD, "loud")["sha256"], detached=True)["pid"]
+    info = wait_until(lambda: (i := alice.inspect(pid))["state"] == "exited" and i)
+    assert info and len(info["log_tail"]) == LOG_TAIL_CHARS
+    frames = list(alice.attach(pid))
+    assert frames[0]["type"] == "log" and "frames were dropped" in frames[0]["text"]
+    output = sum(len(f["data"]) for f in frames if f["type"] == "output")
+    assert 0 < output <= BUFFER_BYTES
+    assert frames[-1] == {"type": "exit", "code": 0, "state": "exited", "reason": "exit 0"}
+
+
+def test_a_tenant_has_a_bounded_number_of_ended_processes_remembered(served):
+    table = served.app.state.symphony.table
+    remembered, table.ended_per_tenant = table.ended_per_tenant, 2
+    try:
+        with Client(served.url, TOKENS["dave"]) as dave:
+            echo = dave.upload(ECHO, "echo")["sha256"]
+            pids = [dave.launch(echo, detached=True)["pid"] for _ in range(3)]
+            for pid in pids:
+                dave.kill(pid)
+            assert wait_until(lambda: pids[0] not in [p["pid"] for p in dave.ps(all=True)])
+            assert {pids[1], pids[2]} <= {p["pid"] for p in dave.ps(all=True)}
+    finally:
+        table.ended_per_tenant = remembered
+
+
+def test_a_token_in_the_websocket_url_is_refused_and_not_logged(served, alice):
+    pid = alice.launch(alice.upload(ECHO, "echo")["sha256"], detached=True)["pid"]
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    level = uvicorn_log.level
+    uvicorn_log.setLevel(logging.INFO)
+    uvicorn_log.addHandler(handler)
+
+    async def connect_with_token_in_url():
+        url = "ws" + served.url[4:] + f"/processes/{pid}/stream?token={TOKENS['alice']}"
+        async with websockets.connect(url) as ws:
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                await asyncio.wait_for(ws.recv(), 30)
+            return closed.value.rcvd.code
+
+    try:
+        code = asyncio.run(connect_with_token_in_url())
+    finally:
+        uvicorn_log.removeHandler(handler)
+        uvicorn_log.setLevel(level)
+        alice.kill(pid)
+    assert code == 4401
+    assert any("/stream" in line for line in lines) and not any(TOKENS["alice"] in line for line in lines)
+
+
+def test_metrics_are_exact_and_summaries_have_sum_and_count(served, alice):
+    alice.run(alice.upload(lip("hello"))["sha256"], ["Once upon a time", "5"])
+    text = httpx.get(served.url + "/metrics").text
+    assert 'quantile="mean"' not in text
+    samples = dict(line.split(" ") for line in text.splitlines() if line and not line.startswith("#"))
+    assert samples["symphony_tokens_total"].isdigit() and samples["symphony_pred_queue_wait_seconds_count"].isdigit()
+    assert float(samples["symphony_pred_queue_wait_seconds_sum"]) > 0

@@ -1,0 +1,170 @@
+"""The OpenAI-compatible endpoints, driven by the unmodified `openai` package: completions,
+streamed chat completions, sampling options, automatic prefix reuse, and OpenAI-shaped errors."""
+import httpx
+import openai
+import pytest
+
+from guests import lip
+from served import SMALL_QUOTAS, TOKENS, served  # noqa: F401 (fixture)
+from symphony_os.client import Client
+from symphony_os.completion import BranchText
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture
+def api(served):
+    with openai.OpenAI(base_url=served.url + "/v1", api_key=TOKENS["carol"], max_retries=0) as client:
+        yield client
+
+
+def test_models_lists_the_served_model(api):
+    assert [m.id for m in api.models.list().data] == ["stories260K"]
+
+
+def test_greedy_completion_equals_the_hello_lip(served, api):
+    with Client(served.url, TOKENS["carol"]) as client:
+        hello = client.run(client.upload(lip("hello"))["sha256"], [PROMPT, "24"]).output.decode()
+    completion = api.completions.create(model="stories260K", prompt=PROMPT, max_tokens=24, temperature=0)
+    assert PROMPT + completion.choices[0].text + "\n" == hello
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage.prompt_tokens == len(served.engine.tokenize(PROMPT))
+    assert completion.usage.completion_tokens == 24
+
+
+def test_streamed_chat_equals_the_whole_answer(api):
+    messages = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "A story about a cat"}]
+    whole = api.chat.completions.create(model="stories260K", messages=messages, max_tokens=30, temperature=0.9,
+                                        top_p=0.95, seed=11)
+    stream = api.chat.completions.create(model="stories260K", messages=messages, max_tokens=30, temperature=0.9,
+                                         top_p=0.95, seed=11, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert whole.choices[0].message.role == "assistant"
+    assert text == whole.choices[0].message.content and len(text) > 10
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_stop_n_seed_and_logprobs(api):
+    greedy = api.completions.create(model="stories260K", prompt=PROMPT, max_tokens=30, temperature=0).choices[0].text
+    stop = greedy.split()[4]
+    stopped = api.completions.create(model="stories260K", prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop])
+    assert stopped.choices[0].text == greedy[:greedy.index(stop)] and stopped.choices[0].finish_reason == "stop"
+    streamed = api.completions.create(model="stories260K", prompt=PROMPT, max_tokens=30, temperature=0, stop=stop,
+                                      stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == stopped.choices[0].text
+
+    sampled = [api.completions.create(model="stories260K", prompt=PROMPT, max_tokens=12, temperature=1.0, n=3,
+                                      seed=5) for _ in range(2)]
+    assert [c.text for c in sampled[0].choices] == [c.text for c in sampled[1].choices]
+    assert [c.index for c in sampled[0].choices] == [0, 1, 2] and len({c.text for c in sampled[0].choices}) > 1
+
+    scored = api.completions.create(model="stories260K", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == greedy[:len(scored.choices[0].text)]
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert all(len(top) <= 3 and max(top.values()) == pytest.approx(chosen, abs=1e-5)
+               for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    chat = api.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    assert len(chat.choices[0].logprobs.content) == 4
+    assert all(len(t.top_logprobs) == 2 for t in chat.choices[0].logprobs.content)
+
+
+def test_identical_prompt_prefixes_reuse_kv_pages(served, api):
+    story = ("Tim and his big brown dog ran down the hill to the river. They saw a frog on a log and a duck "
+             "in the water.")  # no other test's prompt starts like this
+    assert len(served.engine.tokenize(story)) > 32  # more than two pages of 16
+    first = api.completions.create(model="stories260K", prompt=story, max_tokens=10, temperature=0)
+    second = api.completions.create(model="stories260K", prompt=story, max_tokens=10, temperature=0)
+    other = api.completions.create(model="stories260K", prompt=story + " One day", max_tokens=10, temperature=0)
+    cached = [c.usage.prompt_tokens_details.cached_tokens for c in (first, second, other)]
+    assert cached[0] == 0 and cached[1] >= 32 and cached[2] >= cached[1]
+    assert first.choices[0].text == second.choices[0].text
+    metrics = httpx.get(served.url + "/metrics").text
+    assert "symphony_completion_cached_tokens_total 0\n" not in metrics
+    # The cache belongs to the tenant: another tenant's identical prompt starts cold.
+    with openai.OpenAI(base_url=served.url + "/v1", api_key=TOKENS["dave"], max_retries=0) as dave:
+        theirs = dave.completions.create(model="stories260K", prompt=story, max_tokens=10, temperature=0)
+    assert theirs.usage.prompt_tokens_details.cached_tokens == 0
+    assert theirs.choices[0].text == first.choices[0].text
+
+
+def test_bad_requests_get_openai_errors(served, api):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        api.completions.create(model="gpt-4", prompt=PROMPT)
+    for bad in (dict(temperature=5), dict(n=0), dict(max_tokens=-1), dict(top_p=0), dict(logprobs=50),
+                dict(prompt=[10**9]), dict(prompt=[]), dict(stop=[""])):
+        with pytest.raises(openai.BadRequestError):
+            api.completions.create(**{"model": "stories260K", "prompt": PROMPT, **bad})
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        api.chat.completions.create(model="stories260K", messages=[])
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="wrong", max_retries=0) as stranger:
+        with pytest.raises(openai.AuthenticationError):
+            stranger.models.list()
+    response = httpx.post(served.url + "/v1/completions", content=b"{oops",
+                          headers={"Authorization": f"Bearer {TOKENS['carol']}"})
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+
+
+@pytest.fixture
+def small_api(served):
+    """The tenant with room for 8 KV pages of 16 tokens."""
+    with openai.OpenAI(base_url=served.url + "/v1", api_key=TOKENS["small"], max_retries=0) as client:
+        yield client
+
+
+def test_the_prefix_cache_counts_against_the_tenants_kv_page_quota(served, small_api):
+    words = "cat dog sun tree ball bird fish frog duck cow pig hen".split()
+    prompts = [" ".join(f"{w}{i}" for w in words) for i in range(6)]
+    assert all(len(served.engine.tokenize(p)) > 32 for p in prompts)  # each caches 3 pages of its own
+    used_before = served.engine.pool.stats().used
+    for prompt in prompts:
+        small_api.completions.create(model="stories260K", prompt=prompt, max_tokens=8, temperature=0)
+    assert served.engine.pool.stats().used - used_before <= SMALL_QUOTAS["max_kv_pages"]
+    assert served.engine.kvfs.pages_of("small") <= SMALL_QUOTAS["max_kv_pages"]
+    again = small_api.completions.create(model="stories260K", prompt=prompts[-1], max_tokens=8, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 32  # its oldest blocks went first
+
+
+def test_forked_pages_count_once_and_a_kv_quota_refusal_is_a_403(served, small_api):
+    prompt = "Sam the kid saw a big fish in the pond and he ran home to tell his mom and dad about"
+    assert 32 < len(served.engine.tokenize(prompt)) <= 48 - 6  # 3 pages, the last one partly filled
+    # The branches share the prompt's pages and copy only its last: 5 distinct pages, 9 per file.
+    two = small_api.completions.create(model="stories260K", prompt=prompt, max_tokens=6, n=2, seed=1)
+    assert len(two.choices) == 2
+    with pytest.raises(openai.PermissionDeniedError, match="KV page quota") as refused:
+        small_api.completions.create(model="stories260K", prompt=prompt, max_tokens=60, n=4, seed=1)
+    assert refused.value.body["type"] == "quota_exceeded"
+
+
+def test_branch_text_decodes_each_token_once(served):
+    ids = served.engine.tokenize("Once upon a time, there was a little girl named Lily. " * 12,
+                                 add_special_tokens=False)
+    decoded_ids = []
+
+    def detokenize(part: list[int]) -> str:
+        decoded_ids.append(len(part))
+        return served.engine.detokenize(part)
+
+    branch = BranchText(detokenize, stops=("Lily went",))
+    streamed = "".join(branch.add(token) for token in ids)
+    assert streamed + branch.finish(None) == served.engine.detokenize(ids)
+    assert sum(decoded_ids) < 10 * len(ids)  # a few ids per token, not the whole branch each time
+
+
+def test_chat_answers_are_as_long_as_the_context_allows_by_default(api):
+    messages = [{"role": "user", "content": "Tell me a long story about a dog"}]
+    capped = api.chat.completions.create(model="stories260K", messages=messages, max_tokens=20, temperature=0)
+    assert capped.choices[0].finish_reason == "length"  # the greedy answer is longer than 20 tokens
+    default = api.chat.completions.create(model="stories260K", messages=messages, temperature=0)
+    assert default.usage.completion_tokens > 20
+    assert default.choices[0].message.content.startswith(capped.choices[0].message.content)
+
+
+def test_a_request_body_over_4_mib_is_refused_before_parsing(served):
+    body = b" " * (5 << 20) + b'{"model": "stories260K", "prompt": "Hi", "max_tokens": 1}'
+    response = httpx.post(served.url + "/v1/completions", content=body,
+                          headers={"Authorization": f"Bearer {TOKENS['carol']}", "Content-Type": "application/json"})
+    assert response.status_code == 413 and "request body" in response.json()["error"]["message"]
