@@ -109,14 +109,17 @@ def test_beam_py_matches_beam_c_and_its_beams_share_batches(engine):
 
 
 def test_python_and_c_lips_share_batches(engine):
-    with Runtime(engine) as runtime:
+    # Batches run only inside wait() (drive_in_caller), and every program is loaded before any
+    # process starts, so the four start together and the first batch waits for all of them.
+    with Runtime(engine, drive_in_caller=True) as runtime:
         alone, _ = run(runtime, python_lip("hello"), ["One day", "24"])
+        programs = [runtime.load(path) for path in (python_lip("hello"), lip("hello"))] * 2
         before = engine.stats()
         outputs = {}
         processes = []
-        for path in (python_lip("hello"), lip("hello"), python_lip("hello"), lip("hello")):
+        for program in programs:
             out = []
-            processes.append((runtime.spawn(runtime.load(path), ["One day", "24"], on_output=out.append), out))
+            processes.append((runtime.spawn(program, ["One day", "24"], on_output=out.append), out))
         for process, out in processes:
             assert runtime.wait(process, 120) == 0, process.end_reason
             outputs[process.pid] = b"".join(out).decode()
