@@ -202,3 +202,19 @@ def test_symphony_run_takes_a_python_lip(stories_path):
                                        str(python_lip("hello")), "--", "Once upon a time", "6"])
     assert result.exit_code == 0, result.output
     assert result.output.startswith("Once upon a time")
+
+
+def test_an_ended_python_process_is_freed(engine):
+    """wasmtime-py keeps WASI output callbacks in a global table until their store is freed: a
+    callback holding its process would keep the process and its store alive forever."""
+    import gc
+    import weakref
+
+    with Runtime(engine) as runtime:
+        program = runtime.load(python_lip("hello"))
+        process = runtime.spawn(program, ["One day", "2"])
+        assert runtime.wait(process, 120) == 0, process.end_reason
+        ended, store = weakref.ref(process), weakref.ref(process.store)
+        del process
+    gc.collect()  # the runtime is closed: its workers hold nothing either
+    assert ended() is None and store() is None
