@@ -11,6 +11,7 @@ memory budget), over real HTTP on 127.0.0.1:
 Workloads (sizes in SIZES; all greedy, token ids in and out so both paths do the same work):
 1. rag: documents with Pareto-distributed popularity (one shape per run); the program keeps a
    named KV file per document with an LFU priority; the prompt path relies on the prefix cache.
+   rag_mixed: the same while another application's one-off long prompts share the server.
 2. completion: plain prompts, the overhead of the program path (and transformers' generate).
 3. fork: one shared prefix, N continuations: one program with forks against N prompts.
 4. react: an agent with calculator calls: the `tool` host call against a client loop.
@@ -58,6 +59,8 @@ SIZES = {
         kv_pages=224, page_size=16, repeats=6,
         rag=dict(shapes=[0.5, 1.0, 1.5, 2.0, 2.5], docs=200, doc_len=384, question=16, tokens=8, queries=96,
                  concurrency=4, repeats=4),
+        rag_mixed=dict(shapes=[1.0, 2.0], docs=200, doc_len=384, question=16, tokens=8, queries=96, concurrency=4,
+                       repeats=4, other_traffic=640),
         completion=dict(prompt=64, tokens=32, requests=32, concurrency=8),
         fork=dict(prefix=256, branches=8, suffix=4, tokens=16, rounds=4),
         react=dict(agents=16, concurrency=4, question=32, turns=3, thought=12, action=6, answer=12),
@@ -68,6 +71,8 @@ SIZES = {
         kv_pages=224, page_size=16, repeats=4,
         rag=dict(shapes=[0.5, 1.0, 2.0], docs=200, doc_len=384, question=16, tokens=8, queries=48, concurrency=4,
                  repeats=2),
+        rag_mixed=dict(shapes=[1.0], docs=200, doc_len=384, question=16, tokens=8, queries=48, concurrency=4,
+                       repeats=2, other_traffic=640),
         completion=dict(prompt=64, tokens=32, requests=12, concurrency=4),
         fork=dict(prefix=256, branches=8, suffix=4, tokens=16, rounds=2),
         react=dict(agents=8, concurrency=4, question=32, turns=3, thought=12, action=6, answer=12),
@@ -78,6 +83,8 @@ SIZES = {
     "tiny": dict(
         kv_pages=48, page_size=16, repeats=2,
         rag=dict(shapes=[1.0], docs=12, doc_len=40, question=4, tokens=4, queries=10, concurrency=2),
+        rag_mixed=dict(shapes=[1.0], docs=12, doc_len=40, question=4, tokens=4, queries=10, concurrency=2,
+                       other_traffic=100),
         completion=dict(prompt=8, tokens=6, requests=3, concurrency=2),
         fork=dict(prefix=20, branches=3, suffix=2, tokens=5, rounds=1),
         react=dict(agents=2, concurrency=2, question=6, turns=2, thought=4, action=3, answer=4),
@@ -105,6 +112,8 @@ class Phase:
     generated_tokens: int = 0
     cached_prompt_tokens: int = 0
     evicted_files: int = 0  # named KV files KVFS evicted (documents, prefix-cache pages)
+    background_requests: int = 0  # other traffic's requests finished meanwhile (rag_mixed)
+    background_tokens: int = 0  # and the tokens they computed, left out of engine_tokens
     program_events: dict[str, int] = field(default_factory=dict)  # "rag: hit" lines of the logs, counted
 
     def summary(self) -> dict:
@@ -118,6 +127,7 @@ class Phase:
                 "engine_tokens": self.engine_tokens, "forward_passes": self.forward_passes,
                 "generated_tokens": self.generated_tokens, "cached_prompt_tokens": self.cached_prompt_tokens,
                 "evicted_files": self.evicted_files,
+                **({"background_requests": self.background_requests} if self.background_requests else {}),
                 **({"program_events": self.program_events} if self.program_events else {})}
 
 
@@ -174,9 +184,10 @@ class Driver:
         wanted = ("symphony_tokens_total", "symphony_batches_total", "symphony_kv_evicted_files_total")
         return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.split()[0] in wanted}
 
-    async def measure(self, jobs: list, concurrency: int) -> Phase:
+    async def measure(self, jobs: list, concurrency: int, background=None) -> Phase:
         """Run job coroutine factories, `concurrency` at a time, in order; each job's result is
-        one output and its time one latency."""
+        one output and its time one latency. `background(phase)`, a coroutine function, runs
+        alongside until the jobs are done."""
         self.phase = phase = Phase(units=len(jobs))
         before = await self.counters()
         queue = list(enumerate(jobs))
@@ -190,15 +201,32 @@ class Driver:
                 phase.latencies_s.append(time.perf_counter() - started)
 
         started = time.perf_counter()
+        other = asyncio.create_task(background(phase)) if background else None
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         phase.wall_s = time.perf_counter() - started
+        if other:
+            other.cancel()
+            await asyncio.gather(other, return_exceptions=True)
         after = await self.counters()
         phase.outputs = outputs
         self.phase = Phase()  # what runs between measurements counts for no one
-        phase.engine_tokens = int(after["symphony_tokens_total"] - before["symphony_tokens_total"])
+        phase.engine_tokens = int(after["symphony_tokens_total"] - before["symphony_tokens_total"]
+                                  - phase.background_tokens)
         phase.forward_passes = int(after["symphony_batches_total"] - before["symphony_batches_total"])
         phase.evicted_files = int(after["symphony_kv_evicted_files_total"] - before["symphony_kv_evicted_files_total"])
         return phase
+
+    async def other_traffic(self, phase: Phase, prompt_tokens: int, vocab: int) -> None:
+        """Another application on the same server: one-off prompts of `prompt_tokens` random ids,
+        one at a time, 1 new token each, until cancelled. Counted apart from the phase's work."""
+        rng = np.random.default_rng([7, prompt_tokens])
+        while True:
+            prompt = [BOS] + random_ids(rng, vocab, prompt_tokens - 1)
+            response = await self.http.post("/v1/completions", json={"model": self.model, "prompt": prompt,
+                                                                      "max_tokens": 1, "temperature": 0})
+            usage = response.json()["usage"]
+            phase.background_requests += 1
+            phase.background_tokens += usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
 
     async def flush_pool(self, tokens: int) -> None:
         """Fill the KV pool with two throw-away prompts of tokens / 2 each, so KVFS evicts every
@@ -218,7 +246,7 @@ def merged(phases: list[Phase]) -> Phase:
     for p in phases:
         out.outputs += p.outputs
         for name in ("units", "wall_s", "http_requests", "engine_tokens", "forward_passes", "generated_tokens",
-                     "cached_prompt_tokens", "evicted_files"):
+                     "cached_prompt_tokens", "evicted_files", "background_requests", "background_tokens"):
             setattr(out, name, getattr(out, name) + getattr(p, name))
         out.latencies_s += p.latencies_s
         for event, count in p.program_events.items():
@@ -240,7 +268,7 @@ def compare(programs: list[Phase], prompts: list[Phase], **extra) -> dict:
             "latencies_s": {"programs": program.latencies_s, "prompts": prompt.latencies_s}, **extra}
 
 
-async def both(d: Driver, make, concurrency: int, repeats: int, before_each=None) -> dict:
+async def both(d: Driver, make, concurrency: int, repeats: int, before_each=None, background=None) -> dict:
     """Each path `repeats` times (even: each goes first equally often) on the jobs of make(r) ->
     (program jobs, prompt jobs), in the order A B B A A B ..., so that drift in the machine's
     load and what one run leaves in the KV pool fall on both alike. `before_each` (a coroutine
@@ -251,7 +279,7 @@ async def both(d: Driver, make, concurrency: int, repeats: int, before_each=None
         for name in (("programs", "prompts") if r % 2 == 0 else ("prompts", "programs")):
             if before_each:
                 await before_each()
-            runs[name].append(await d.measure(jobs[name], concurrency))
+            runs[name].append(await d.measure(jobs[name], concurrency, background))
     return compare(runs["programs"], runs["prompts"])
 
 
@@ -301,11 +329,21 @@ async def rag(d: Driver, size: dict, vocab: int, seed: int, repeats: int) -> dic
             await d.remove_files("rag/")
             await d.flush_pool(pool_tokens)
 
-        result = await both(d, make, size["concurrency"], repeats, before_each=cold_pool)
+        other = size.get("other_traffic")
+        background = (lambda phase: d.other_traffic(phase, other, vocab)) if other else None
+        result = await both(d, make, size["concurrency"], repeats, before_each=cold_pool, background=background)
         counts = np.sort(np.bincount(streams[0], minlength=size["docs"]))[::-1]
         rows.append({"shape": shape, "distinct_docs": int((counts > 0).sum()),
                      "top5_share": round(float(counts[:5].sum() / len(streams[0])), 3), **result})
     return {"shapes": rows}
+
+
+async def rag_mixed(d: Driver, size: dict, vocab: int, seed: int, repeats: int) -> dict:
+    """rag while another application shares the server: a stream of one-off long prompts
+    (size["other_traffic"] tokens each) through /v1/completions, the same during both paths'
+    runs. Their pages enter the prefix cache at priority 0 and push documents out of an LRU
+    cache; the program's documents, at LFU priorities >= 1, are evicted after them."""
+    return await rag(d, size, vocab, seed + 100, repeats)
 
 
 async def _first(lines):
@@ -437,7 +475,7 @@ async def swarm(d: Driver, size: dict, vocab: int, seed: int, repeats: int) -> d
     return result
 
 
-WORKLOADS = {"rag": rag, "completion": completion, "fork": fork, "react": react, "got": got, "swarm": swarm}
+WORKLOADS = {"rag": rag, "rag_mixed": rag_mixed, "completion": completion, "fork": fork, "react": react, "got": got, "swarm": swarm}
 
 
 async def run_workloads(url: str, model_dir: Path, size: dict, names: list[str], vocab: int, seed: int = 0,
@@ -559,6 +597,8 @@ def table_rows(results: dict, hf: dict) -> list[tuple]:
 
     for r in results.get("rag", {}).get("shapes", []):
         add(f"rag shape {r['shape']}", "queries/s", r, paper=PAPER["rag"])
+    for r in results.get("rag_mixed", {}).get("shapes", []):
+        add(f"rag + other traffic, shape {r['shape']}", "queries/s", r, paper=PAPER["rag"])
     units = {"completion": "requests/s", "fork": "rounds/s", "react": "agents/s", "got": "problems/s",
              "swarm": "conversations/s"}
     for name in ("completion", "fork", "react", "got", "swarm"):
@@ -580,7 +620,8 @@ def print_table(rows: list[tuple], title: str) -> None:
             print("-+-".join("-" * w for w in widths))
 
 
-def plot(results: dict, latencies: dict, out_dir: Path) -> list[str]:
+def plot(results: dict, latencies: dict, out: Path) -> list[str]:
+    """PNGs beside `out` (the JSON), named after it: <stem>_rag_throughput.png, <stem>_latency_cdf.png."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -592,6 +633,12 @@ def plot(results: dict, latencies: dict, out_dir: Path) -> list[str]:
         x = [r["shape"] for r in shapes]
         ax.plot(x, [r["programs"]["units_per_s"] for r in shapes], "o-", label="programs (LIP, LFU-hinted KV files)")
         ax.plot(x, [r["prompts"]["units_per_s"] for r in shapes], "s--", label="prompts (/v1, prefix cache + LRU)")
+        mixed = results.get("rag_mixed", {}).get("shapes", [])
+        if mixed:
+            mx = [r["shape"] for r in mixed]
+            ax.plot(mx, [r["programs"]["units_per_s"] for r in mixed], "C0^", label="programs, with other traffic")
+            ax.plot(mx, [r["prompts"]["units_per_s"] for r in mixed], "C1v", label="prompts, with other traffic")
+            ax2.plot(mx, [r["ratio"] for r in mixed], "k^", label="with other traffic")
         ax.set_ylabel("queries / s (all repeats)")
         ax.set_title("RAG throughput on one server, same KV budget")
         ax.legend(fontsize=8)
@@ -604,11 +651,12 @@ def plot(results: dict, latencies: dict, out_dir: Path) -> list[str]:
         ax2.set_ylabel("programs / prompts")
         ax2.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(out_dir / "paper_rag_throughput.png", dpi=110)
+        fig.savefig(out.parent / f"{out.stem}_rag_throughput.png", dpi=110)
         plt.close(fig)
-        written.append("paper_rag_throughput.png")
+        written.append(f"{out.stem}_rag_throughput.png")
     if latencies:
-        fig, axes = plt.subplots(2, 3, figsize=(12, 7))
+        columns = -(-len(latencies) // 2)
+        fig, axes = plt.subplots(2, columns, figsize=(4 * columns, 7), squeeze=False)
         for ax, (name, paths) in zip(axes.flat, latencies.items()):
             for path, style in (("programs", "-"), ("prompts", "--")):
                 values = sorted(paths[path])
@@ -621,9 +669,9 @@ def plot(results: dict, latencies: dict, out_dir: Path) -> list[str]:
         for ax in list(axes.flat)[len(latencies):]:
             ax.axis("off")
         fig.tight_layout()
-        fig.savefig(out_dir / "paper_latency_cdf.png", dpi=110)
+        fig.savefig(out.parent / f"{out.stem}_latency_cdf.png", dpi=110)
         plt.close(fig)
-        written.append("paper_latency_cdf.png")
+        written.append(f"{out.stem}_latency_cdf.png")
     return written
 
 
@@ -633,6 +681,9 @@ def latencies_of(results: dict) -> dict:
     if shapes:
         middle = shapes[len(shapes) // 2]
         out[f"rag (shape {middle['shape']})"] = middle["latencies_s"]
+    mixed = results.get("rag_mixed", {}).get("shapes", [])
+    if mixed:
+        out[f"rag + other traffic (shape {mixed[0]['shape']})"] = mixed[0]["latencies_s"]
     for name in ("completion", "fork", "react", "got", "swarm"):
         if name in results:
             out[name] = results[name]["latencies_s"]
@@ -676,8 +727,8 @@ def main() -> None:
     rows = table_rows(results, hf)
     latencies = latencies_of(results)
     strip_latencies(results)
-    RESULTS.mkdir(exist_ok=True)
-    plots = plot(results, latencies, Path(args.out).parent)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    plots = plot(results, latencies, Path(args.out))
     import torch
     report = {"benchmark": "paper", "mode": "quick" if args.quick else "full", "model": model_dir.name,
               "device": args.device, "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),

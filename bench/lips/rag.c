@@ -7,7 +7,8 @@
  * evicts the least popular documents first (LFU, least recently used among equals), where the
  * OpenAI path's automatic prefix cache can only evict the least recently used pages.
  *
- * Concurrent queries for a missing document: the first to create the file fills it; a file
+ * Concurrent queries for a missing document: the first to create the file fills it (with its
+ * question, in the one pred a prompt would take, then cuts it back to the document); a file
  * is complete once its pinned, empty marker rag/DOC_NAME.ready exists (looking both up
  * involves no blocking call, so no other process runs in between). A query that finds the
  * file still being filled computes the document on its own, as a prompt would.
@@ -37,16 +38,32 @@ int main(int argc, char **argv) {
         query = seq_new(check(sym_kv_fork(file), "kv_fork"));
         fprintf(stderr, "rag: hit\n");
     } else if (file < 0 && (sym_kv_remove(marker), file = sym_kv_open(name, SYM_KV_CREATE | SYM_KV_EXCLUSIVE)) >= 0) {
-        /* ours to fill: the document alone, then the marker */
+        /* Ours to fill. Document and question go in one pred, as in a prompt (a second pred
+           would cost a second batch step); then a fork keeps the question for this query, the
+           file is cut back to the document, and the marker says it is complete. */
         check(sym_kv_hint(file, 0, -1, priority), "kv_hint");  /* -1: no keep-for window */
-        seq_t fill = {.kv = file};
-        seq_push(&fill, doc, n_doc);
-        seq_flush(&fill);
+        static int32_t both[2 * SEQ_MAX_PENDING];
+        memcpy(both, doc, sizeof(int32_t) * n_doc);
+        memcpy(both + n_doc, question, sizeof(int32_t) * n_question);
+        int32_t first = check(sym_pred_sample(file, both, NULL, n_doc + n_question, NULL), "prefill");
+        query = seq_new(check(sym_kv_fork(file), "kv_fork"));
+        check(sym_kv_truncate(file, n_doc), "kv_truncate");
         sym_kv mark = check(sym_kv_open(marker, SYM_KV_CREATE), "kv_open marker");
         check(sym_kv_hint(mark, SYM_HINT_PINNED, 0, 0), "kv_hint marker");
         sym_kv_close(mark);
-        query = seq_new(check(sym_kv_fork(file), "kv_fork"));
+        sym_kv_close(file);
         fprintf(stderr, "rag: filled\n");
+        if (sym_is_eos(first) || max_tokens < 1) {
+            send_ids(NULL, 0);
+        } else {
+            seq_push(query, &first, 1);
+            generate_one(query, max_tokens - 1);
+            memmove(query->out + 1, query->out, sizeof(int32_t) * query->n_out);
+            query->out[0] = first;
+            send_ids(query->out, query->n_out + 1);
+        }
+        seq_close(query);
+        return 0;
     } else {  /* being filled by another query: compute it here */
         query = seq_new(check(sym_kv_create(), "kv_create"));
         seq_push(query, doc, n_doc);
