@@ -133,16 +133,12 @@ def run(program, args, model_path, device, dtype, attention, page_size, kv_pages
     import threading
     import time
 
+    from .cli_client import parse_env
     from .errors import InputClosed, LimitExceeded
     from .program import ProgramError
     from .runtime import Runtime
 
-    env = {}
-    for pair in env_pairs:
-        name, sep, value = pair.partition("=")
-        if not sep:
-            raise click.BadParameter(f"{pair!r} is not NAME=VALUE", param_hint="--env")
-        env[name] = value
+    env = parse_env(env_pairs)
     engine = _make_engine(model_path, device, dtype, attention, page_size, kv_pages)
     with Runtime(engine, drive_in_caller=True) as runtime:
         try:

@@ -14,6 +14,17 @@ import click
 from .client import DEFAULT_SERVER, AsyncClient, Client, ServerError
 
 
+def parse_env(pairs: tuple[str, ...]) -> dict[str, str]:
+    """--env NAME=VALUE options (of `launch` and `run`) as a dict."""
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{pair!r} is not NAME=VALUE", param_hint="--env")
+        env[name] = value
+    return env
+
+
 def _server_options(func):
     func = click.option("--token", envvar="SYMPHONY_TOKEN", default=None,
                         help="Bearer token of your tenant (or $SYMPHONY_TOKEN).")(func)
@@ -59,12 +70,7 @@ def upload(program, name, server, token):
 def launch(program, args, env_pairs, detach, verbose, server, token):
     """Launch PROGRAM (a sha256 or a .wasm file, uploaded first) with ARGS after --; stream its
     output to stdout and stdin lines to its recv. The exit code is the program's."""
-    env = {}
-    for pair in env_pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise click.BadParameter(f"{pair!r} is not NAME=VALUE", param_hint="--env")
-        env[key] = value
+    env = parse_env(env_pairs)
     try:
         code = asyncio.run(_launch(server, token, program, list(args), env, detach, verbose))
     except (ServerError, OSError) as error:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -18,6 +19,8 @@ from .hostcalls import Block, HostCalls
 from .limits import ProcessLimits, Usage, store_limits, trap_reason
 from .program import Program
 from .tools import ToolRegistry
+
+log = logging.getLogger("symphony.process")
 
 EXIT_TRAPPED = 134  # like a process killed by SIGABRT
 EXIT_KILLED = 137  # like a process killed by SIGKILL
@@ -178,6 +181,11 @@ class Process:
         started = time.thread_time()
         try:
             return self._advance()
+        except Exception as error:  # a host bug this guest reached: it ends, the worker goes on
+            log.exception("pid %s: internal error while advancing", self.pid)
+            if not self.finished:
+                self._end(ProcessState.KILLED, EXIT_TRAPPED, f"internal error: {type(error).__name__}: {error}")
+            return "ended"
         finally:
             self.cpu_time_s += time.thread_time() - started
 

@@ -66,8 +66,11 @@ def _check_interface(module: wasmtime.Module) -> None:
             raise ProgramError(f"import {where} has the wrong signature: expected "
                                f"({', '.join(['i32'] * table[imp.name])}) -> i32")
     exports = {exp.name: exp.type for exp in module.exports}
-    if not isinstance(exports.get("_start"), wasmtime.FuncType):
+    start = exports.get("_start")
+    if not isinstance(start, wasmtime.FuncType):
         raise ProgramError("the module exports no _start function (build it as a WASI command)")
+    if list(start.params) or list(start.results):
+        raise ProgramError("the module's _start must take no parameters and return nothing (a WASI command)")
     if not isinstance(exports.get("memory"), wasmtime.MemoryType):
         raise ProgramError("the module exports no memory")
 

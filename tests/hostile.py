@@ -191,6 +191,10 @@ CORPUS: dict[str, Hostile] = {
     "unknown import": Hostile(lambda: wat('(module (import "env" "system" (func)) (memory (export "memory") 1) '
                                           '(func (export "_start")))'), refused="unknown import env.system"),
     "invalid bytes": Hostile(lambda: b"\x00asm\x01\x00\x00\x00\x01\xff\xff\xff\xff\x0f", refused="invalid WebAssembly"),
+    # Found by the module fuzzer (make fuzz): it used to kill a worker thread.
+    "_start with parameters": Hostile(lambda: wat('(module (memory (export "memory") 1) '
+                                                  '(func (export "_start") (param i32 i32)))'),
+                                      refused="_start must take no parameters"),
     "oversized module": Hostile(lambda: b"\x00asm\x01\x00\x00\x00" + bytes(64 * 2**20), refused="the limit is"),
     "slow to compile": Hostile(slow_to_compile, refused="compiling the module took over the limit of 0.3 s",
                                compile_time_s=0.3),

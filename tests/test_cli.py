@@ -42,3 +42,11 @@ def test_bad_model_directory_is_a_one_line_error(tmp_path):
     result = CliRunner().invoke(main, ["info", "--model", str(tmp_path)])
     assert result.exit_code != 0
     assert "no config.json" in result.output and "Traceback" not in result.output
+
+
+def test_env_option_must_be_name_equals_value(tmp_path):
+    program = tmp_path / "p.wasm"
+    program.write_bytes(b"\0asm\1\0\0\0")
+    for command in (["run", str(program)], ["launch", str(program), "--server", "http://127.0.0.1:9"]):
+        result = CliRunner().invoke(main, [*command, "--env", "NOEQUALS"])
+        assert result.exit_code == 2 and "'NOEQUALS' is not NAME=VALUE" in result.output, result.output

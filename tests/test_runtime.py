@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from guests import lip, wat
 from symphony_os.cli import main
 from symphony_os.engine import Engine
-from symphony_os.process import EXIT_KILLED, ProcessState
+from symphony_os.process import EXIT_KILLED, EXIT_TRAPPED, ProcessState
 from symphony_os.program import ProgramError
 from symphony_os.runtime import Runtime
 from symphony_os.sampling import Distribution, Sample, TopK
@@ -232,7 +232,29 @@ BAD_MODULES = {
                          '(func (export "_start")))'), "no such system call"),
     "wrong signature": (wat('(module (import "symphony" "kv_len" (func (param i64) (result i32))) '
                             '(memory (export "memory") 1) (func (export "_start")))'), "wrong signature"),
+    # Found by the module fuzzer: a _start with parameters used to kill the worker thread.
+    "_start with parameters": (wat('(module (memory (export "memory") 1) (func (export "_start") (param i32 i32)))'),
+                               "_start must take no parameters"),
+    "_start with a result": (wat('(module (memory (export "memory") 1) (func (export "_start") (result i32) '
+                                 '(i32.const 0)))'), "_start must take no parameters"),
 }
+
+
+def test_a_host_error_in_one_process_ends_it_and_the_worker_goes_on(tiny_engine):
+    """Defence in depth behind validation: a process whose advance raises (here a _start with
+    parameters, which validation now refuses, slipped past it) ends with the reason, and the
+    processes sharing its worker thread finish."""
+    import wasmtime
+
+    from symphony_os.program import Program
+
+    with Runtime(tiny_engine, workers=1) as runtime:
+        module = wasmtime.Module(runtime.wasm_engine, BAD_MODULES["_start with parameters"][0])
+        bad = runtime.spawn(Program("bad", "0" * 64, 0, module), [])
+        good = runtime.spawn(runtime.load(wat('(module (memory (export "memory") 1) (func (export "_start")))')), [])
+        assert runtime.wait(bad, 30) == EXIT_TRAPPED
+        assert bad.end_reason.startswith("internal error: ValueError")
+        assert runtime.wait(good, 30) == 0
 
 
 @pytest.mark.parametrize("case", sorted(BAD_MODULES))

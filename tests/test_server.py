@@ -69,6 +69,12 @@ EXAMPLES = {
     "hello": ["Once upon a time", "30"],
     "parallel": ["Once upon a time, there was a cat.", "8", "The cat", "One day", "Tom"],
     "beam": ["Once upon a time", "3", "8"],
+    "json_schema": ["Tom is a little boy. He is", "1.0", "7"],
+    "watermark": ["Once upon a time", "24", "42", "4.0", "1"],
+    "speculative": ["Lily and Tom went to the park. Lily and Tom", "24", "4"],
+    "tool_use": ["Tom had <calc>12*7</calc> apples.", "8"],
+    "graph_of_thought": ["Lily wanted to find her lost ball.", "3", "6", "6"],
+    "react": ["How many legs do three cats have?", "docs:cat", "calculator:3*4"],
 }
 
 
