@@ -39,6 +39,7 @@ from .fiber import Fiber, _polling
 from .hostcalls import MAX_TEXT_BYTES, MAX_TOKENS_PER_PRED, Block
 from .limits import compiles_within
 from .process import Process
+from .program import printable
 from .sampling import Distribution, GreedyEach, Sample, TopK, Want
 
 log = logging.getLogger("symphony.component")
@@ -92,10 +93,10 @@ def check_component(component: wc.Component, engine: wasmtime.Engine) -> str | N
     ty = component.type
     for name in ty.imports(engine):
         if not (name.startswith(f"{PACKAGE}/") or name.split("/", 1)[0] in WASI_PACKAGES):
-            return (f"unknown import {name}: only {PACKAGE}/* ({PACKAGE_VERSION}) and "
+            return (f"unknown import {printable(name)}: only {PACKAGE}/* ({PACKAGE_VERSION}) and "
                     f"{', '.join(sorted(WASI_PACKAGES))} are provided")
         if name.startswith(f"{PACKAGE}/") and name.split("/", 1)[1] not in _IMPORT_NAMES:
-            return f"unknown import {name}: no such interface (see guest_sdk/python/wit/symphony.wit)"
+            return f"unknown import {printable(name)}: no such interface (see guest_sdk/python/wit/symphony.wit)"
     run = ty.exports(engine).get(RUN_EXPORT)
     run = run.ty if run is not None else None
     if not (isinstance(run, wc.FuncType) and not run.params and isinstance(run.result, wc.S32)):

@@ -49,10 +49,15 @@ def _check_header(data: bytes) -> None:
                            "(neither a core module nor a component)")
 
 
+def printable(name: str) -> str:
+    """A guest-chosen name as it may appear in a one-line message: control characters escaped."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in name)
+
+
 def _check_interface(module: wasmtime.Module) -> None:
     table = HostCalls.table()
     for imp in module.imports:
-        where = f"{imp.module}.{imp.name}"
+        where = printable(f"{imp.module}.{imp.name}")
         if imp.module == WASI_MODULE:
             continue
         if imp.module != "symphony":

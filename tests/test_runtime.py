@@ -232,6 +232,10 @@ BAD_MODULES = {
                          '(func (export "_start")))'), "no such system call"),
     "wrong signature": (wat('(module (import "symphony" "kv_len" (func (param i64) (result i32))) '
                             '(memory (export "memory") 1) (func (export "_start")))'), "wrong signature"),
+    # Found by the module fuzzer: a name with a newline made the "one-line" error two lines.
+    "newline in an import name": (wat('(module (import "sym\\0aphony" "send" (func (param i32 i32) (result i32))) '
+                                      '(memory (export "memory") 1) (func (export "_start")))'),
+                                  r"unknown import sym\\nphony\.send"),
     # Found by the module fuzzer: a _start with parameters used to kill the worker thread.
     "_start with parameters": (wat('(module (memory (export "memory") 1) (func (export "_start") (param i32 i32)))'),
                                "_start must take no parameters"),
