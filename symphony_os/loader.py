@@ -106,8 +106,9 @@ def _arrange_weights(raw: dict[str, torch.Tensor], cfg: ModelConfig, dtype, devi
 
 def _eos_ids(generation_config: Path | None, hf_config, tokenizer) -> tuple[int, ...]:
     ids: list[int] = []
-    gen = generation_config
-    sources = [json.loads(gen.read_text()).get("eos_token_id")] if gen and gen.is_file() else []
+    sources = []
+    if generation_config is not None and generation_config.is_file():
+        sources.append(json.loads(generation_config.read_text()).get("eos_token_id"))
     sources += [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
     for value in sources:
         for token in value if isinstance(value, list) else [value]:
