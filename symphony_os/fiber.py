@@ -74,21 +74,21 @@ def set_time_slice(store: wasmtime.Store, epoch_ticks: int) -> None:
     _epoch_deadline_async_yield_and_update(store._context(), epoch_ticks)
 
 
-class EpochTicker:
-    """A daemon thread that increments `engine`'s epoch every `interval_s` seconds: the clock
-    behind `set_time_slice`. Use as a context manager, or call `start()` and `stop()`."""
+class PeriodicThread:
+    """A daemon thread that calls `tick()` every `interval_s` seconds until stopped. Use as a
+    context manager, or call `start()` and `stop()`."""
 
-    def __init__(self, engine: wasmtime.Engine, interval_s: float = 0.01):
-        self.engine = engine
+    def __init__(self, tick: Callable[[], None], interval_s: float, name: str):
         self.interval_s = interval_s
+        self._tick = tick
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="epoch-ticker", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def _run(self) -> None:
         while not self._stopped.wait(self.interval_s):
-            self.engine.increment_epoch()
+            self._tick()
 
-    def start(self) -> "EpochTicker":
+    def start(self) -> "PeriodicThread":
         self._thread.start()
         return self
 
@@ -96,11 +96,19 @@ class EpochTicker:
         self._stopped.set()
         self._thread.join()
 
-    def __enter__(self) -> "EpochTicker":
+    def __enter__(self) -> "PeriodicThread":
         return self.start()
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+class EpochTicker(PeriodicThread):
+    """Increments `engine`'s epoch every `interval_s` seconds: the clock behind `set_time_slice`."""
+
+    def __init__(self, engine: wasmtime.Engine, interval_s: float = 0.01):
+        super().__init__(engine.increment_epoch, interval_s, "epoch-ticker")
+        self.engine = engine
 
 
 class Ready:

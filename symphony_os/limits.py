@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import wasmtime
 
 from .errors import LimitExceeded
+from .fiber import PeriodicThread
 
 if TYPE_CHECKING:
     from .process import Process
@@ -143,34 +143,23 @@ def store_limits(store: wasmtime.Store, limits: ProcessLimits) -> None:
         store.set_fuel(limits.fuel)
 
 
-class Watchdog:
-    """A daemon thread that kills processes past their wall time, even while they wait (a
-    `recv` nobody answers). CPU time is checked by each process whenever it is advanced."""
+class Watchdog(PeriodicThread):
+    """Kills processes past their wall time, even while they wait (a `recv` nobody answers).
+    CPU time is checked by each process whenever it is advanced."""
 
     def __init__(self, processes: Callable[[], Iterable["Process"]], interval_s: float = 0.1):
+        super().__init__(self._check, interval_s, "symphony-watchdog")
         self._processes = processes
-        self.interval_s = interval_s
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="symphony-watchdog", daemon=True)
 
-    def _run(self) -> None:
-        while not self._stopped.wait(self.interval_s):
-            try:
-                for process in list(self._processes()):
-                    if process.limits.wall_time_s is not None and not process.finished:
-                        reason = process.usage.over_time(0.0)
-                        if reason is not None:
-                            process.kill(reason)
-            except Exception:  # the watchdog must outlive any one bad round
-                log.exception("checking process deadlines failed")
-
-    def start(self) -> "Watchdog":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self._thread.join()
+    def _check(self) -> None:
+        try:
+            for process in list(self._processes()):
+                if process.limits.wall_time_s is not None and not process.finished:
+                    reason = process.usage.over_time(0.0)
+                    if reason is not None:
+                        process.kill(reason)
+        except Exception:  # the watchdog must outlive any one bad round
+            log.exception("checking process deadlines failed")
 
 
 # Compiles stdin (a core module, or a component with argv[2] == "1") with an engine like the
