@@ -262,8 +262,7 @@ def _invoke(function: _HostFunction, store, args):
     calls = process.component_calls
     max_list = max(MAX_TOKENS_PER_PRED, calls.vocab_size())  # ids, or one entry per vocabulary token
     return process.hostcalls.dispatch(
-        function.qualified_name, lambda: function.handler(calls, *function.arguments(store, args, max_list)),
-        Failed)
+        function.qualified_name, Failed, lambda: function.handler(calls, *function.arguments(store, args, max_list)))
 
 
 @ffi.wasmtime_component_func_callback_t

@@ -76,7 +76,8 @@ class Engine:
         self.backend = select_backend(loaded.model.device, attention)
         self.runner = ModelRunner(loaded.model, self.pool, self.backend)
         self._generator = torch.Generator().manual_seed(0)
-        self._queue_lock = threading.Condition()
+        self._queue_mutex = threading.Lock()  # taken directly: a Condition's own `with` is Python code
+        self._queue_lock = threading.Condition(self._queue_mutex)
         self._step_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -112,12 +113,18 @@ class Engine:
             if len(positions) != len(tokens):
                 raise InvalidArgument(f"{len(tokens)} tokens but {len(positions)} positions")
         validate_want(want, vocab)
+        return self.enqueue(session, handle, tokens, positions, want)
+
+    def enqueue(self, session: KvSession, handle: int, tokens: list[int], positions: list[int] | None,
+                want: Want) -> PredFuture:
+        """submit() for a caller that has checked its arguments already (the host calls do, as
+        they read them from the guest): token ids in range, one position per token, `want`."""
         with self.kvfs.lock:
             file = session.file_of(handle, write=True)
             self.kvfs.acquire(file)
             file.inflight += 1
         request = PredRequest(file, tokens, positions, want)
-        with self._queue_lock:
+        with self._queue_mutex:
             self.scheduler.add(request)
             self._queue_lock.notify()
         return request.future
@@ -139,7 +146,7 @@ class Engine:
     def step(self) -> bool:
         """Run one batch; False when nothing was waiting."""
         with self._step_lock:
-            with self._queue_lock:
+            with self._queue_mutex:
                 plan = self.scheduler.schedule()
             if plan is None:
                 return False
@@ -153,12 +160,12 @@ class Engine:
     def _prepare(self, plan: BatchPlan):
         """Reserve KV slots for each chunk; a chunk that cannot run fails its request (or, when
         only memory is short and others run, waits for the next batch)."""
-        runnable, seqs = [], []
+        runnable, seqs, failed = [], [], []
         now = time.perf_counter()
-        for chunk in plan.chunks:
-            request, file = chunk.request, chunk.request.file
-            try:
-                with self.kvfs.lock:
+        with self.kvfs.lock:  # once per batch, not per chunk
+            for chunk in plan.chunks:
+                request, file = chunk.request, chunk.request.file
+                try:
                     if request.length_before is None:
                         request.length_before = file.length
                         request.started_at = now
@@ -167,23 +174,22 @@ class Engine:
                             request.positions = list(range(start, start + len(request.tokens)))
                     positions = request.positions[chunk.start:chunk.start + chunk.count]
                     slots = self.kvfs.reserve_slots(file, positions)
-                    page_table = list(self.kvfs.page_table(file))
-                    context_len = file.length
-            except PoolExhausted as error:
-                if len(plan.chunks) > 1:
+                except PoolExhausted as error:
+                    if len(plan.chunks) == 1:
+                        failed.append((request, None, error))
                     continue  # others in this batch hold the memory: try again next batch
-                self._finish(request, error=error)
-                continue
-            except SymphonyError as error:
-                self._finish(request, error=error)
-                continue
-            runnable.append(chunk)
-            each = isinstance(request.want, GreedyEach)
-            seqs.append(SequenceInput(
-                tokens=request.tokens[chunk.start:chunk.start + chunk.count], positions=positions,
-                slots=slots, page_table=page_table, context_len=context_len,
-                wants_logits=chunk.is_last and not each, greedy_each=each,
-            ))
+                except SymphonyError as error:
+                    failed.append((request, None, error))
+                    continue
+                runnable.append(chunk)
+                each = isinstance(request.want, GreedyEach)
+                seqs.append(SequenceInput(
+                    tokens=request.tokens[chunk.start:chunk.start + chunk.count], positions=positions,
+                    slots=slots, page_table=list(self.kvfs.page_table(file)), context_len=file.length,
+                    wants_logits=chunk.is_last and not each, greedy_each=each,
+                ))
+        if failed:
+            self._finish_all(failed)
         return runnable, seqs
 
     def _run(self, chunks, seqs) -> None:
@@ -223,7 +229,7 @@ class Engine:
 
     def _finish_all(self, outcomes: list[tuple[PredRequest, PredResult | None, BaseException | None]]) -> None:
         """Take the requests out of the queue, release their files, complete their futures."""
-        with self._queue_lock:
+        with self._queue_mutex:
             for request, _, _ in outcomes:
                 self.scheduler.remove(request)
         with self.kvfs.lock:

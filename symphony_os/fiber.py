@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import struct
 import threading
-import weakref
 from typing import Callable, Sequence, Union
 
 import wasmtime
@@ -33,8 +33,6 @@ from wasmtime import _ffi as ffi
 
 Value = Union[int, float]
 
-# wasmtime_val_t kinds and the union field that holds each of them.
-_FIELD_OF_KIND = {0: "i32", 1: "i64", 2: "f32", 3: "f64"}
 _KIND_OF_TYPE = {str(wasmtime.ValType.i32()): 0, str(wasmtime.ValType.i64()): 1,
                  str(wasmtime.ValType.f32()): 2, str(wasmtime.ValType.f64()): 3}
 
@@ -42,15 +40,45 @@ _KIND_OF_TYPE = {str(wasmtime.ValType.i32()): 0, str(wasmtime.ValType.i64()): 1,
 # may use: the fiber stacks are reserved lazily, so this costs address space, not memory.
 HOST_STACK_BYTES = 4 << 20
 
+
+def raw_prototype(name: str, restype, *argtypes):
+    """A prototype of our own for a wasmtime C function (dll[...] leaves wasmtime-py's shared one
+    alone). Pointers cross as plain integers (c_void_p): ctypes converts those far faster than
+    typed pointers, and these functions run on every host call."""
+    function = ffi.dll[name]
+    function.restype, function.argtypes = restype, list(argtypes)
+    return function
+
+
+_vp, _size = ctypes.c_void_p, ctypes.c_size_t
 # wasmtime-py 50 declares this function as returning an error pointer, but the C function
-# returns void (its return register holds garbage): reading that "error" segfaulted. So it
-# gets its own prototype, taken with dll[...] so wasmtime-py's shared one is left alone.
-_epoch_deadline_async_yield_and_update = ffi.dll["wasmtime_context_epoch_deadline_async_yield_and_update"]
-_epoch_deadline_async_yield_and_update.restype = None
-_epoch_deadline_async_yield_and_update.argtypes = [ctypes.POINTER(ffi.wasmtime_context_t), ctypes.c_uint64]
+# returns void (its return register holds garbage): reading that "error" segfaulted.
+_epoch_deadline_async_yield_and_update = raw_prototype("wasmtime_context_epoch_deadline_async_yield_and_update", None,
+                                              _vp, ctypes.c_uint64)
+_set_epoch_deadline = raw_prototype("wasmtime_context_set_epoch_deadline", None, _vp, ctypes.c_uint64)
+_future_poll = raw_prototype("wasmtime_call_future_poll", ctypes.c_bool, _vp)
+_future_delete = raw_prototype("wasmtime_call_future_delete", None, _vp)
+_define_func = raw_prototype("wasmtime_linker_define_func", _vp, _vp, ctypes.c_char_p, _size, ctypes.c_char_p, _size,
+                    _vp, _vp, _vp, _vp)
+_define_async_func = raw_prototype("wasmtime_linker_define_async_func", _vp, _vp, ctypes.c_char_p, _size,
+                          ctypes.c_char_p, _size, _vp, _vp, _vp, _vp)
+_caller_export_get = raw_prototype("wasmtime_caller_export_get", ctypes.c_bool, _vp, ctypes.c_char_p, _size,
+                          ctypes.POINTER(ffi.wasmtime_extern_t))
+_caller_context = raw_prototype("wasmtime_caller_context", _vp, _vp)
+_memory_data = raw_prototype("wasmtime_memory_data", _vp, _vp, ctypes.POINTER(ffi.wasmtime_memory_t))
+_memory_data_size = raw_prototype("wasmtime_memory_data_size", _size, _vp, ctypes.POINTER(ffi.wasmtime_memory_t))
 
 _MEMORY_EXPORT = b"memory"
-_future_poll = ffi.dll.wasmtime_call_future_poll  # wasmtime-py's prototype, minus a Python wrapper
+
+
+def _address(pointer) -> int:
+    return ctypes.cast(pointer, _vp).value or 0
+
+
+def memory_location(context: int, memory: ffi.wasmtime_memory_t) -> tuple[int, int]:
+    """(base address, size in bytes) of `memory` in the store whose context is at `context`."""
+    handle = ctypes.byref(memory)
+    return _memory_data(context, handle) or 0, _memory_data_size(context, handle)
 
 
 def make_async_engine(epoch_interruption: bool = True, max_wasm_stack_bytes: int = 1 << 20,
@@ -63,6 +91,9 @@ def make_async_engine(epoch_interruption: bool = True, max_wasm_stack_bytes: int
     config.epoch_interruption = epoch_interruption
     config.consume_fuel = consume_fuel
     config.max_wasm_stack = max_wasm_stack_bytes
+    # A memory keeps its base address for life (it grows inside its 4 GiB reservation), so
+    # the host can keep a guest's base address instead of asking on every host call.
+    config.memory_may_move = False
     ffi.wasmtime_config_async_stack_size_set(config.ptr(), max_wasm_stack_bytes + HOST_STACK_BYTES)
     return wasmtime.Engine(config)
 
@@ -71,7 +102,15 @@ def set_time_slice(store: wasmtime.Store, epoch_ticks: int) -> None:
     """Make guests in `store` yield to `Fiber.poll()` (which then returns False) after running
     for `epoch_ticks` increments of the engine's epoch, instead of trapping."""
     store.set_epoch_deadline(epoch_ticks)
-    _epoch_deadline_async_yield_and_update(store._context(), epoch_ticks)
+    _epoch_deadline_async_yield_and_update(_address(store._context()), epoch_ticks)
+
+
+def time_slice_renewer(store: wasmtime.Store, epoch_ticks: int) -> Callable[[], None]:
+    """A function that gives `store`'s guests a fresh slice of `epoch_ticks` from now. Call it
+    before resuming a guest that was blocked: its old deadline passed while it waited, and it
+    would otherwise yield at its first loop back-edge (a whole extra poll per resume)."""
+    context = _address(store._context())
+    return lambda: _set_epoch_deadline(context, epoch_ticks)
 
 
 class PeriodicThread:
@@ -150,21 +189,17 @@ Handler = Callable[["HostCall", list], HostResult]
 class HostCall:
     """What a handler knows about the call it serves: the `fiber` being polled (whose `owner`
     says which guest this is) and the caller's exported memory. It is valid until the call
-    completes; touch guest memory only from the thread that polls the fiber."""
+    completes; touch guest memory only from the thread that polls the fiber. `fiber` is
+    cleared once a handler has returned a Pending: a waiting call must not keep a fiber that
+    its host has dropped alive (that fiber's deletion is what ends the wait)."""
 
-    __slots__ = ("_fiber", "_caller", "_context", "_memory")
+    __slots__ = ("fiber", "_caller", "_context", "_memory")
 
-    def __init__(self, caller, fiber: Fiber | None):
-        # Weak: a waiting call must not keep a fiber that its host has dropped alive (that
-        # fiber's deletion is what ends the wait).
-        self._fiber = weakref.ref(fiber) if fiber is not None else None
+    def __init__(self, caller: int, fiber: Fiber | None):
+        self.fiber = fiber
         self._caller = caller
         self._context = None
         self._memory = None
-
-    @property
-    def fiber(self) -> Fiber | None:
-        return self._fiber() if self._fiber is not None else None
 
     def memory_location(self) -> tuple[int, int]:
         """(base address, size in bytes) of the caller's memory export "memory", as it is now.
@@ -173,35 +208,64 @@ class HostCall:
             raise RuntimeError("this host call has already completed")
         if self._memory is None:
             item = ffi.wasmtime_extern_t()
-            found = ffi.wasmtime_caller_export_get(self._caller, _MEMORY_EXPORT, len(_MEMORY_EXPORT),
-                                                   ctypes.byref(item))
+            found = _caller_export_get(self._caller, _MEMORY_EXPORT, len(_MEMORY_EXPORT), ctypes.byref(item))
             if not found or item.kind != ffi.WASMTIME_EXTERN_MEMORY.value:
                 raise LookupError("the guest exports no memory named 'memory'")
-            self._context = ffi.wasmtime_caller_context(self._caller)
+            self._context = _caller_context(self._caller)
             self._memory = item.of.memory
-        base = ffi.wasmtime_memory_data(self._context, ctypes.byref(self._memory))
-        size = ffi.wasmtime_memory_data_size(self._context, ctypes.byref(self._memory))
-        return ctypes.cast(base, ctypes.c_void_p).value or 0, size
+        return memory_location(self._context, self._memory)
+
+
+# A wasmtime_val_t is 32 bytes: the kind byte, then the value at offset 8. Value arrays are read
+# and written with one struct call each, through a ctypes array at their address (ctypes' own
+# field access cost ~1 us per value; string_at and memmove, foreign calls, 0.4-0.6 us each).
+_VALUE_BYTES = 32
+_VALUE_CODE = {0: "i20x", 1: "q16x", 2: "f20x", 3: "d16x"}  # kind -> struct code and padding
+
+
+class _ValueLayout:
+    """How a list of values of the given kinds sits in an array of wasmtime_val_t."""
+
+    __slots__ = ("kinds", "_array", "_reader", "_writer")
+
+    def __init__(self, kinds: tuple[int, ...]):
+        self.kinds = kinds
+        self._array = ctypes.c_char * (_VALUE_BYTES * len(kinds))
+        self._reader = struct.Struct("<" + "".join("8x" + _VALUE_CODE[kind] for kind in kinds))
+        self._writer = struct.Struct("<" + "".join("B7x" + _VALUE_CODE[kind] for kind in kinds))
+
+    def read(self, address: int) -> tuple[Value, ...]:
+        return self._reader.unpack_from(self._array.from_address(address)) if self.kinds else ()
+
+    def write(self, address: int, values: Sequence[Value], what: str) -> None:
+        if len(values) != len(self.kinds):
+            raise ValueError(f"{what} takes {len(self.kinds)} values, got {len(values)}")
+        if len(values) == 1:
+            self._writer.pack_into(self._array.from_address(address), 0, self.kinds[0], values[0])
+        elif values:
+            fields = [field for pair in zip(self.kinds, values) for field in pair]
+            self._writer.pack_into(self._array.from_address(address), 0, *fields)
 
 
 class _HostFunction:
-    __slots__ = ("qualified_name", "param_kinds", "result_kinds", "handler")
+    __slots__ = ("qualified_name", "params", "results", "handler")
 
     def __init__(self, qualified_name: str, param_kinds: tuple[int, ...],
                  result_kinds: tuple[int, ...], handler: Callable):
         self.qualified_name = qualified_name
-        self.param_kinds = param_kinds
-        self.result_kinds = result_kinds
+        self.params = _ValueLayout(param_kinds)
+        self.results = _ValueLayout(result_kinds)
         self.handler = handler
 
 
 class _Waiting:
     """A suspended host call: where its results or trap go once its Pending is done. The
-    result and trap slots belong to wasmtime and stay valid until the continuation finishes."""
+    result and trap slots (addresses) belong to wasmtime and stay valid until the
+    continuation finishes."""
 
     __slots__ = ("pending", "call", "function", "results", "trap_slot")
 
-    def __init__(self, pending: Pending, call: HostCall, function: _HostFunction, results, trap_slot):
+    def __init__(self, pending: Pending, call: HostCall, function: _HostFunction, results: int, trap_slot: int):
         self.pending = pending
         self.call = call
         self.function = function
@@ -243,24 +307,12 @@ def _kinds(types: Sequence[wasmtime.ValType]) -> tuple[int, ...]:
         raise TypeError(f"only i32, i64, f32 and f64 cross this boundary, not {error}") from None
 
 
-def _read_values(raw, kinds: tuple[int, ...]) -> list[Value]:
-    return [getattr(raw[i].of, _FIELD_OF_KIND[kind]) for i, kind in enumerate(kinds)]
-
-
-def _write_values(raw, kinds: tuple[int, ...], values: Sequence[Value], what: str) -> None:
-    if len(values) != len(kinds):
-        raise ValueError(f"{what} takes {len(kinds)} values, got {len(values)}")
-    for i, (kind, value) in enumerate(zip(kinds, values)):
-        raw[i].kind = kind
-        setattr(raw[i].of, _FIELD_OF_KIND[kind], value)
-
-
-def _new_trap(message: str):
+def _new_trap(message: str) -> int:
     data = message.encode("utf-8", "replace")
-    return ffi.wasmtime_trap_new(data, len(data))
+    return _address(ffi.wasmtime_trap_new(data, len(data)))
 
 
-def _trap_for(function: _HostFunction | None, error: BaseException):
+def _trap_for(function: _HostFunction | None, error: BaseException) -> int:
     """A guest trap describing `error`, which is also kept on the polled fiber for the host's
     logs. A KeyboardInterrupt or SystemExit is re-raised by `Fiber.poll()` after wasmtime
     returns, so it still reaches the host."""
@@ -277,58 +329,83 @@ def _trap_for(function: _HostFunction | None, error: BaseException):
     return _new_trap(f"{name} failed: {detail}")
 
 
-@ffi.wasmtime_func_callback_t
+# Our callback prototypes: wasmtime's, with every pointer as a plain integer (see raw_prototype).
+_SYNC_CALLBACK = ctypes.CFUNCTYPE(_size, _vp, _vp, _vp, _size, _vp, _size)
+_ASYNC_CALLBACK = ctypes.CFUNCTYPE(None, _vp, _vp, _vp, _size, _vp, _size, _vp, _vp)
+_CONTINUATION_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_bool, _vp)
+_FINALIZER = ctypes.CFUNCTYPE(None, _vp)
+_CONTINUATION = struct.Struct("<QQQ")  # wasmtime_async_continuation_t: callback, env, finalizer
+
+
+@_SYNC_CALLBACK
 def _call_sync(key, caller, args, nargs, results, nresults):
     """Runs a `define_func` handler; returns 0, or a trap pointer. Never raises."""
     function, call = _FUNCTIONS.get(key), None
     try:
         call = HostCall(caller, _polling.fiber)
-        values = function.handler(call, _read_values(args, function.param_kinds))
-        _write_values(results, function.result_kinds, values, function.qualified_name)
+        values = function.handler(call, function.params.read(args))
+        function.results.write(results, values, function.qualified_name)
         return 0
     except BaseException as error:
-        return ctypes.cast(_trap_for(function, error), ctypes.c_void_p).value
+        return _trap_for(function, error)
     finally:
         if call is not None:
             call._caller = None
 
 
-@ffi.wasmtime_func_async_continuation_callback_t
+@_CONTINUATION_CALLBACK
 def _continue_ready(env) -> bool:
     """The continuation of a call answered at once: results or trap are already written."""
     return True
 
 
-@ffi.wasmtime_func_async_callback_t
+_READY = (_address(_continue_ready), 0, 0)
+
+
+_CONTINUATION_ARRAY = ctypes.c_char * _CONTINUATION.size
+
+
+def _set_continuation(address: int, fields: tuple[int, int, int]) -> None:
+    _CONTINUATION.pack_into(_CONTINUATION_ARRAY.from_address(address), 0, *fields)
+
+
+def _set_trap(trap_slot: int, trap: int) -> None:
+    ctypes.c_void_p.from_address(trap_slot).value = trap
+
+
+@_ASYNC_CALLBACK
 def _call_async(key, caller, args, nargs, results, nresults, trap_slot, continuation):
     """Runs a `define_async` handler and hands wasmtime a continuation: done now (results or
     trap already written) or a wait on a Pending. Never raises."""
     # First, so that no failure below can leave wasmtime without a continuation (it panics).
-    slot = continuation.contents
-    slot.callback = _continue_ready
+    _set_continuation(continuation, _READY)
     function, call = _FUNCTIONS.get(key), None
     try:
         call = HostCall(caller, _polling.fiber)
-        outcome = function.handler(call, _read_values(args, function.param_kinds))
+        outcome = function.handler(call, function.params.read(args))
         if isinstance(outcome, Pending):
             waiting_key = next(_next_key)
             _WAITING[waiting_key] = _Waiting(outcome, call, function, results, trap_slot)
-            slot.env = waiting_key
-            slot.finalizer = _forget_waiting
-            slot.callback = _continue_waiting
+            fiber = call.fiber
+            if fiber is not None:  # the fiber forgets the wait when it ends: no finalizer call
+                fiber._waiting_key = waiting_key
+                _set_continuation(continuation, (_WAITING_CALLBACK, waiting_key, 0))
+            else:
+                _set_continuation(continuation, (_WAITING_CALLBACK, waiting_key, _WAITING_FINALIZER))
+            call.fiber = None
             call = None  # stays valid while the guest waits
         elif isinstance(outcome, Ready):
-            _write_values(results, function.result_kinds, outcome.values, function.qualified_name)
+            function.results.write(results, outcome.values, function.qualified_name)
         else:
             raise TypeError(f"handler returned {type(outcome).__name__}, not Ready or Pending")
     except BaseException as error:
-        trap_slot[0] = _trap_for(function, error)
+        _set_trap(trap_slot, _trap_for(function, error))
     finally:
         if call is not None:
             call._caller = None
 
 
-@ffi.wasmtime_func_async_continuation_callback_t
+@_CONTINUATION_CALLBACK
 def _continue_waiting(waiting_key) -> bool:
     """Polled by wasmtime each time the waiting guest's fiber is polled: True once its
     Pending is done, after writing the results (or the trap) where wasmtime expects them."""
@@ -338,29 +415,33 @@ def _continue_waiting(waiting_key) -> bool:
         if not pending.done:
             return False
         if pending.failure is not None:
-            waiting.trap_slot[0] = _new_trap(pending.failure)
+            _set_trap(waiting.trap_slot, _new_trap(pending.failure))
         else:
-            _write_values(waiting.results, waiting.function.result_kinds, pending.values,
-                          waiting.function.qualified_name)
+            waiting.function.results.write(waiting.results, pending.values, waiting.function.qualified_name)
     except BaseException as error:
-        waiting.trap_slot[0] = _trap_for(waiting.function, error)
-    waiting.call._caller = None
+        _set_trap(waiting.trap_slot, _trap_for(waiting.function, error))
+    _forget_waiting(waiting_key)
     return True
 
 
-@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-def _forget_waiting(waiting_key) -> None:
-    """wasmtime dropped the continuation: the call finished, or its fiber was closed."""
+def _forget_waiting(waiting_key: int) -> None:
+    """The wait is over: it finished, or its fiber was closed (wasmtime dropped the continuation)."""
     waiting = _WAITING.pop(waiting_key, None)
     if waiting is not None:
         waiting.call._caller = None
         waiting.pending.abandoned = not waiting.pending.done
 
 
-@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_forget_waiting_callback = _FINALIZER(_forget_waiting)
+
+
+@_FINALIZER
 def _forget_function(key) -> None:
     """wasmtime dropped the last linker or store that held this host function."""
     _FUNCTIONS.pop(key, None)
+
+
+_WAITING_CALLBACK, _WAITING_FINALIZER = _address(_continue_waiting), _address(_forget_waiting_callback)
 
 
 class AsyncLinker:
@@ -379,8 +460,7 @@ class AsyncLinker:
                      results: Sequence[wasmtime.ValType], handler: Handler) -> None:
         """Provide `module.name`, which may block: `handler(call, args)` returns `Ready(values)`
         or a `Pending` that the guest waits on. If it raises, the guest traps."""
-        self._define(ffi.wasmtime_linker_define_async_func, _call_async, module, name, params,
-                     results, handler)
+        self._define(_define_async_func, _call_async, module, name, params, results, handler)
 
     def define_func(self, module: str, name: str, params: Sequence[wasmtime.ValType],
                     results: Sequence[wasmtime.ValType],
@@ -388,20 +468,18 @@ class AsyncLinker:
         """Provide `module.name`, which never blocks: `handler(call, args)` returns the result
         values. Cheaper than `define_async` (one callback into Python instead of two). If it
         raises, the guest traps."""
-        self._define(ffi.wasmtime_linker_define_func, _call_sync, module, name, params, results,
-                     handler)
+        self._define(_define_func, _call_sync, module, name, params, results, handler)
 
     def _define(self, define, trampoline, module: str, name: str, params, results, handler) -> None:
         key = next(_next_key)
         _FUNCTIONS[key] = _HostFunction(f"{module}.{name}", _kinds(params), _kinds(results), handler)
         module_bytes, name_bytes = module.encode(), name.encode()
         func_type = wasmtime.FuncType(list(params), list(results))  # a name keeps it alive for the call
-        error = define(self.linker.ptr(), ctypes.create_string_buffer(module_bytes), len(module_bytes),
-                       ctypes.create_string_buffer(name_bytes), len(name_bytes), func_type.ptr(),
-                       trampoline, key, _forget_function)
+        error = define(self.linker.ptr(), module_bytes, len(module_bytes), name_bytes, len(name_bytes),
+                       func_type.ptr(), _address(trampoline), key, _address(_forget_function))
         if error:
             _FUNCTIONS.pop(key, None)
-            raise wasmtime.WasmtimeError._from_ptr(error)
+            raise wasmtime.WasmtimeError._from_ptr(ctypes.cast(error, ctypes.POINTER(ffi.wasmtime_error_t)))
 
     def start_instantiate(self, store: wasmtime.Store, module: wasmtime.Module,
                           owner: object = None) -> "Fiber":
@@ -440,15 +518,16 @@ class Fiber:
         func_type = func.type(store)
         param_kinds, result_kinds = _kinds(func_type.params), _kinds(func_type.results)
         params = (ffi.wasmtime_val_t * len(param_kinds))()
-        _write_values(params, param_kinds, args, "this guest function")
+        _ValueLayout(param_kinds).write(ctypes.addressof(params), args, "this guest function")
         results = (ffi.wasmtime_val_t * len(result_kinds))()
+        result_layout = _ValueLayout(result_kinds)
 
         def start(trap_slot, error_slot):
             return ffi.wasmtime_func_call_async(store._context(), ctypes.byref(func._func), params,
                                                 len(param_kinds), results, len(result_kinds),
                                                 trap_slot, error_slot)
 
-        self._start(store, owner, start, lambda: _read_values(results, result_kinds),
+        self._start(store, owner, start, lambda: list(result_layout.read(ctypes.addressof(results))),
                     keep=(func, params, results))
 
     @classmethod
@@ -478,12 +557,13 @@ class Fiber:
         self.exit_code: int | None = None
         self.error: BaseException | None = None
         self._deferred: BaseException | None = None
+        self._waiting_key = 0  # the host call it waits in, while it waits (a key of _WAITING)
         self._store = store
         self._collect = collect
         self._keep = keep  # what the future points into; see the module docstring
         self._trap_slot = ctypes.POINTER(ffi.wasm_trap_t)()
         self._error_slot = ctypes.POINTER(ffi.wasmtime_error_t)()
-        self._future = start(ctypes.byref(self._trap_slot), ctypes.byref(self._error_slot))
+        self._future = _address(start(ctypes.byref(self._trap_slot), ctypes.byref(self._error_slot)))
         _STORES_IN_CALL.add(id(store))
 
     @property
@@ -534,11 +614,12 @@ class Fiber:
         if _all_open((self._store, *self._keep)):
             outer, _polling.fiber = _polling.fiber, self
             try:
-                ffi.wasmtime_call_future_delete(future)
+                _future_delete(future)
             finally:
                 _polling.fiber = outer
         _STORES_IN_CALL.discard(id(self._store))
         self._keep = self._collect = None
+        _forget_waiting(self._waiting_key)  # a wait this fiber was left in, if any
         if self.result is None and self.trap is None:
             self.trap = "closed before it finished"
 

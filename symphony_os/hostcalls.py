@@ -19,7 +19,9 @@ from .guest_memory import GuestMemory
 from .limits import check_kv_pages
 from .pred_future import PredFuture
 from .prefix_cache import PrefixCache, TrackedFile
-from .sampling import GREEDY, Distribution, GreedyEach, Sample, TopK, Want
+from .sampling import GREEDY, Distribution, GreedyEach, Sample, TopK, Want, validate_want
+
+DISTRIBUTION, GREEDY_EACH = Distribution(), GreedyEach()  # wants without parameters: one of each
 
 if TYPE_CHECKING:
     from .process import Process
@@ -76,16 +78,16 @@ class HostCalls:
         return {name: _signature_of(getattr(cls, name)) for name in CALLS}
 
     def call(self, name: str, memory: GuestMemory, args: list[int]) -> int | Block:
-        return self.dispatch(name, lambda: getattr(self, name)(memory, *args), int)
+        return self.dispatch(name, int, getattr(HostCalls, name), self, memory, *args)
 
-    def dispatch(self, name: str, run: Callable[[], T], failed: Callable[[ErrorCode], T]) -> T:
+    def dispatch(self, name: str, failed: Callable[[ErrorCode], T], run: Callable[..., T], *args) -> T:
         """The one way into a system call, from a core module or a component: charges the
-        host-call rate limit, then `run()`; an error becomes `failed(code)`. An unexpected
+        host-call rate limit, then `run(*args)`; an error becomes `failed(code)`. An unexpected
         exception (a host bug, a broken tool) becomes INTERNAL, its traceback logged once per
         process and call: a guest calling it in a loop must not flood the server's log."""
         try:
             self.process.usage.charge_hostcall()
-            return run()
+            return run(*args)
         except SymphonyError as error:
             self._error_code(error)
             return failed(error.code)
@@ -226,14 +228,16 @@ class HostCalls:
             raise InvalidArgument(f"pred takes 1 to {MAX_TOKENS_PER_PRED} tokens, got {n}")
         tokens = mem.read_i32s(ids_ptr, n)
         positions = mem.read_i32s(pos_ptr, n) if pos_ptr else None
-        if kind == KIND_DISTRIBUTION:
-            want: Want = Distribution()
+        if kind == KIND_SAMPLE and not arg:
+            want: Want = GREEDY  # the common case first: checked once, where GREEDY is made
+        elif kind == KIND_DISTRIBUTION:
+            want = DISTRIBUTION
         elif kind == KIND_TOPK:
             want = TopK(arg)
         elif kind == KIND_SAMPLE:
-            want = self._read_sampling(mem, arg) if arg else GREEDY
+            want = self._read_sampling(mem, arg)
         elif kind == KIND_GREEDY_EACH:
-            want = GreedyEach()
+            want = GREEDY_EACH
         else:
             raise InvalidArgument(f"pred kind must be 0 (distribution), 1 (top-k), 2 (sample) or 3 (greedy each), "
                                   f"got {kind}")
@@ -241,14 +245,21 @@ class HostCalls:
 
     def submit(self, kv: int, tokens: list[int], positions: list[int] | None, want: Want) -> int:
         """Queue a pred for the engine and return its ticket: the checks every pred passes,
-        from a core module or a component (component.py calls this too)."""
+        from a core module or a component (component.py calls this too). `tokens` and
+        `positions` are lists of ints (read from the guest), one position per token."""
         limits = self.process.limits
         if len(self.tickets) >= limits.preds_in_flight:
             raise LimitExceeded(f"at most {limits.preds_in_flight} preds in flight per process")
-        check_kv_pages(self.process, kv, len(tokens))
+        if limits.kv_pages is not None:
+            check_kv_pages(self.process, kv, len(tokens))
+        vocab = self.engine.loaded.config.vocab_size
+        if not tokens or min(tokens) < 0 or max(tokens) >= vocab:
+            raise InvalidArgument(f"pred needs 1 or more token ids, each in [0, {vocab})")
         if isinstance(want, Distribution):
             self._check_distribution_bytes()
-        future = self.engine.submit(self.kv, kv, tokens, positions, want)
+        else:
+            validate_want(want, vocab)
+        future = self.engine.enqueue(self.kv, kv, tokens, positions, want)
         if kv in self.prefix_files:
             self.prefix_files[kv].ids.extend(tokens)
         ticket = self._next_ticket

@@ -299,18 +299,19 @@ class KVFS:
         page_size = self.pool.page_size
         copy_last = bool(file.length % page_size) and self.pool.refcount[file.pages[-1]] > 1
         needed = -(-(file.length + n) // page_size) - len(file.pages)
-        self._within_quota(file.owner, needed + copy_last)
-        # Only an allocation that may reclaim (evict or swap) needs the file protected.
-        guard = self.protect([file]) if needed + copy_last > self.pool.free_pages else contextlib.nullcontext()
-        with guard:
-            if copy_last:
-                old = file.pages[-1]
-                file.pages[-1] = self.pool.copy_page(old)
-                self.pool.decref([old])
-                self._count_pages(file, added=[file.pages[-1]], removed=[old])
-            new_pages = self.pool.allocate(needed)
-            file.pages.extend(new_pages)
-            self._count_pages(file, added=new_pages)
+        if needed + copy_last:  # else the tokens fit in the file's own last page
+            self._within_quota(file.owner, needed + copy_last)
+            # Only an allocation that may reclaim (evict or swap) needs the file protected.
+            guard = self.protect([file]) if needed + copy_last > self.pool.free_pages else contextlib.nullcontext()
+            with guard:
+                if copy_last:
+                    old = file.pages[-1]
+                    file.pages[-1] = self.pool.copy_page(old)
+                    self.pool.decref([old])
+                    self._count_pages(file, added=[file.pages[-1]], removed=[old])
+                new_pages = self.pool.allocate(needed)
+                file.pages.extend(new_pages)
+                self._count_pages(file, added=new_pages)
         slots = [
             file.pages[i // page_size] * page_size + i % page_size
             for i in range(file.length, file.length + n)

@@ -6,14 +6,13 @@ import enum
 import itertools
 import logging
 import threading
-import time
 from collections import deque
 from typing import Callable
 
 import wasmtime
 
 from .errors import InputClosed, LimitExceeded
-from .fiber import AsyncLinker, Fiber, HostCall, Pending, set_time_slice
+from .fiber import AsyncLinker, Fiber, HostCall, Pending, set_time_slice, time_slice_renewer
 from .guest_memory import GuestMemory, memory_locator
 from .hostcalls import Block, HostCalls
 from .limits import ProcessLimits, Usage, store_limits, trap_reason
@@ -38,6 +37,7 @@ class ProcessState(str, enum.Enum):
     KILLED = "killed"
 
 
+_STATE_OF = {state.value: state for state in ProcessState}  # faster than ProcessState(value)
 _pids = itertools.count(1)
 
 
@@ -78,9 +78,11 @@ class Process:
         self.store.set_wasi(self._wasi_config(program, self.args, env))
         store_limits(self.store, limits)
         set_time_slice(self.store, limits.time_slice_ticks)
+        self._renew_time_slice = time_slice_renewer(self.store, limits.time_slice_ticks)
         self._fiber: Fiber | None = linker.start_instantiate(self.store, program.module, owner=self)
         self._instantiating = True
         self._memory: wasmtime.Memory | None = None  # the guest's memory, once instantiated
+        self.memory: GuestMemory | None = None  # checked access to it
         self._blocked: tuple[Block, Pending, HostCall] | None = None
         self.wake: Callable[["Process"], None] = lambda process: None  # set by the worker
 
@@ -151,22 +153,25 @@ class Process:
     # ---- used by the host calls while the guest runs ----
 
     def memory_for(self, call: HostCall) -> GuestMemory:
-        """Checked access to the calling guest's memory. After instantiation the memory export
-        is known, which saves looking it up through the caller on every host call."""
-        if self._memory is None:
+        """Checked access to the calling guest's memory: the process's own view once it is
+        instantiated, through the caller before (a start function's host calls)."""
+        if self.memory is None:
             return GuestMemory(call.memory_location)
-        return GuestMemory(memory_locator(self.store, self._memory))
+        return self.memory
 
     def block_on(self, block: Block, call: HostCall) -> Pending:
         """Suspend the guest until `block` can finish; the worker completes it later."""
         pending = Pending()
         self._blocked = (block, pending, call)
-        self.state = ProcessState(block.state)
+        self.state = _STATE_OF[block.state]
         if block.future is not None:
-            block.future.add_done_callback(lambda _future: self.wake(self))
+            block.future.add_done_callback(self._pred_done)
         elif self.input_ready():
             self.wake(self)
         return pending
+
+    def _pred_done(self, _future) -> None:
+        self.wake(self)
 
     # ---- driven by the owning worker ----
 
@@ -177,8 +182,8 @@ class Process:
     def advance(self) -> str:
         """Run the guest until it blocks, yields or ends. Returns "waiting" (blocked, or not
         ready yet), "preempted" (its time slice ended: still runnable), "continue" (it will
-        run on at once: instantiation done) or "ended"."""
-        started = time.thread_time()
+        run on at once: instantiation done) or "ended". The worker adds the CPU time it took
+        to `cpu_time_s`."""
         try:
             return self._advance()
         except Exception as error:  # a host bug this guest reached: it ends, the worker goes on
@@ -186,8 +191,6 @@ class Process:
             if not self.finished:
                 self._end(ProcessState.KILLED, EXIT_TRAPPED, f"internal error: {type(error).__name__}: {error}")
             return "ended"
-        finally:
-            self.cpu_time_s += time.thread_time() - started
 
     def _advance(self) -> str:
         if self.finished:
@@ -204,9 +207,7 @@ class Process:
             self._blocked = None
             pending.complete([block.finish(self.memory_for(call))])
             self.state = ProcessState.RUNNABLE
-            # The first poll after a host call completes only finishes that call and returns
-            # (measured: once per resume); the second runs the guest on.
-            self._fiber.poll()
+            self._renew_time_slice()
         fiber = self._fiber
         if not fiber.done and not fiber.poll():
             if self._blocked is not None:
@@ -239,6 +240,7 @@ class Process:
         """The call that runs the program once instantiated: WASI's `_start`."""
         exports = instance.exports(self.store)
         self._memory = exports["memory"]
+        self.memory = GuestMemory(memory_locator(self.store, self._memory))
         return Fiber(self.store, exports["_start"], owner=self)
 
     def _end(self, state: ProcessState, code: int, reason: str) -> None:

@@ -11,15 +11,14 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from collections import deque
 from pathlib import Path
 
 import wasmtime
 
 from .component import ComponentLinker, ComponentProcess
 from .engine import Engine
-from .fiber import AsyncLinker, EpochTicker, Pending, Ready, make_async_engine
-from .hostcalls import CALLS, HostCalls, Block
+from .fiber import AsyncLinker, EpochTicker, Ready, make_async_engine
+from .hostcalls import Block, HostCalls
 from .limits import Watchdog
 from .process import Process, ProcessLimits
 from .program import Program, load_program, load_program_file
@@ -39,7 +38,8 @@ class Worker:
         self.processes: set[Process] = set()
         self._ready: dict[int, tuple[Process, bool]] = {}  # pid -> (process, preempted)
         self._urgent = 0  # queued processes that were not merely preempted
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # taken directly: a Condition's own `with` is Python code
+        self._cond = threading.Condition(self._lock)
         self._stopping = False
         self._round_urgent = False
         self.thread = threading.Thread(target=self._loop, name=f"symphony-worker-{index}", daemon=True)
@@ -53,7 +53,7 @@ class Worker:
 
     def add(self, process: Process) -> None:
         process.wake = self.wake
-        with self._cond:
+        with self._lock:
             self.processes.add(process)
         self.wake(process)
 
@@ -61,7 +61,7 @@ class Worker:
         """Queue `process` for this worker's next round (any thread). Wake-ups from the batch
         driver (completed preds) are only queued: the driver starts the next round once it has
         delivered all of them, so one round takes every process the batch released."""
-        with self._cond:
+        with self._lock:
             queued = self._ready.get(process.pid)
             if queued is None or (queued[1] and not preempted):
                 self._urgent += (not preempted) - (queued is not None and not queued[1])
@@ -71,7 +71,7 @@ class Worker:
 
     def kick(self) -> None:
         """Start a round if anything is queued (after the driver delivered a batch)."""
-        with self._cond:
+        with self._lock:
             if self._ready:
                 self._cond.notify()
 
@@ -86,16 +86,24 @@ class Worker:
                 self._ready.clear()
                 self._round_urgent = self._urgent > 0
                 self._urgent = 0
+            # CPU time: the thread's, read once per round (0.5 us a read here), shared among
+            # the processes in proportion to the wall time each took.
+            cpu_started, walls = time.thread_time(), []
             for process, _ in batch:
+                started = time.perf_counter()
                 outcome = process.advance()
+                walls.append(time.perf_counter() - started)
                 if outcome == "preempted":
                     self.wake(process, preempted=True)
                 elif outcome == "continue":
                     self.wake(process)
                 elif outcome == "ended":
-                    with self._cond:
+                    with self._lock:
                         self.processes.discard(process)
-            with self._cond:
+            cpu_per_wall = (time.thread_time() - cpu_started) / (sum(walls) or 1.0)
+            for (process, _), wall in zip(batch, walls):
+                process.cpu_time_s += wall * cpu_per_wall
+            with self._lock:
                 self._round_urgent = False
             self.driver.round_done()
 
@@ -117,13 +125,13 @@ class BatchDriver:
         self.workers: list[Worker] = []
         self._cond = threading.Condition()
         self._stopping = False
-        self.driving_thread: threading.Thread | None = None
+        self.driving_thread: int | None = None  # the ident of the thread running batches
         self.thread = threading.Thread(target=self.run, name="symphony-batch-driver", daemon=True) \
             if own_thread else None
 
     def is_driving(self) -> bool:
         """Is the calling thread the one running batches (so its wake-ups are deferred)?"""
-        return threading.current_thread() is self.driving_thread
+        return threading.get_ident() == self.driving_thread
 
     def round_done(self) -> None:
         with self._cond:
@@ -134,7 +142,7 @@ class BatchDriver:
 
     def run(self, until=lambda: False) -> None:
         """Run batches on this thread until `stop()` or `until()` is true."""
-        self.driving_thread = threading.current_thread()
+        self.driving_thread = threading.get_ident()
         try:
             while True:
                 with self._cond:
@@ -155,12 +163,15 @@ class BatchDriver:
 
 
 def _handler(name: str, blocking: bool):
+    method = getattr(HostCalls, name)
+
     def handle(call, args):
         process: Process = call.fiber.owner
-        outcome = process.hostcalls.call(name, process.memory_for(call), args)
+        hostcalls = process.hostcalls
+        outcome = hostcalls.dispatch(name, int, method, hostcalls, process.memory or process.memory_for(call), *args)
         if isinstance(outcome, Block):
             return process.block_on(outcome, call)
-        return Ready([outcome]) if blocking else [outcome]
+        return Ready((outcome,)) if blocking else (outcome,)
 
     return handle
 

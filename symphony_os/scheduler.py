@@ -87,18 +87,23 @@ class BatchScheduler:
         chunks: list[ScheduledChunk] = []
         budget = self.token_budget
         busy_files: set[int] = set()
+        prefills = False
         for decode_pass in (True, False):
+            if not decode_pass and not prefills:
+                break  # only decodes wait: the first pass saw them all
             # A file whose earlier request is skipped in this pass takes no later one (order).
             skipped_files: set[int] = set()
             for request in self.waiting.values():
                 if budget == 0 or len(chunks) == self.max_batch_size:
                     break
                 file_id = request.file.file_id
-                is_decode = request.remaining == 1
-                if file_id in busy_files or file_id in skipped_files or is_decode != decode_pass:
+                remaining = len(request.tokens) - request.done
+                if remaining != 1:
+                    prefills = True
+                if file_id in busy_files or file_id in skipped_files or (remaining == 1) != decode_pass:
                     skipped_files.add(file_id)
                     continue
-                count = min(request.remaining, budget)
+                count = min(remaining, budget)
                 chunks.append(ScheduledChunk(request, request.done, count))
                 busy_files.add(file_id)
                 budget -= count
