@@ -493,7 +493,7 @@ class ComponentCalls:
 
         if entry.future.done():
             return finish(None)
-        return Block("blocked-on-pred", entry.future, lambda memory: self._guarded(finish))
+        return Block("blocked-on-pred", entry.future, finish, Failed)
 
     # the distribution resource
     def _new_rep(self) -> int:
@@ -563,21 +563,12 @@ class ComponentCalls:
 
         if self.process.input_ready():
             return finish(None)
-        return Block("blocked-on-recv", None, lambda memory: self._guarded(finish))
+        return Block("blocked-on-recv", None, finish, Failed)
 
     def tool(self, name: str, text: str) -> str:
         if not 0 < len(name) <= 64 or len(text) > MAX_TEXT_BYTES:
             raise InvalidArgument("tool: the name is 1 to 64 bytes, the input at most 1 MiB")
         return self.process.tools.call(name, text)
-
-    def _guarded(self, finish) -> Any:
-        try:
-            return finish(None)
-        except SymphonyError as error:
-            return Failed(error.code)
-        except Exception:
-            log.exception("pid %s: finishing a blocking call failed", self.process.pid)
-            return Failed(ErrorCode.INTERNAL)
 
     def close(self) -> None:
         self.distributions.clear()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from .errors import (BadHandle, BufferTooSmall, ErrorCode, InputClosed, InvalidArgument, LimitExceeded,
                      SymphonyError)
@@ -39,11 +39,14 @@ T = TypeVar("T")
 @dataclass
 class Block:
     """A blocking call: wait for `future` (None: for the process's inbox), then `finish(memory)`
-    gives the i32 result, writing outputs into guest memory on the process's own thread."""
+    gives the call's result, writing outputs into guest memory on the process's own thread.
+    If `finish` raises, `failed(code)` is the result (a core module's int, a component's
+    Failed): the process (Process.finish_block) applies it, so no exception reaches wasmtime."""
 
     state: str
     future: PredFuture | None
-    finish: Callable[[GuestMemory], int]
+    finish: Callable[[GuestMemory], Any]
+    failed: Callable[[ErrorCode], Any] = int
 
 
 @dataclass
@@ -335,7 +338,7 @@ class HostCalls:
 
         if entry.future.done():
             return finish(mem)
-        return Block("blocked-on-pred", entry.future, lambda mem: self._guarded(finish, mem))
+        return Block("blocked-on-pred", entry.future, finish)
 
     # ---- I/O ----
 
@@ -362,7 +365,7 @@ class HostCalls:
 
         if self.process.input_ready():
             return finish(mem)
-        return Block("blocked-on-recv", None, lambda mem: self._guarded(finish, mem))
+        return Block("blocked-on-recv", None, finish)
 
     # ---- tools ----
 
@@ -395,15 +398,6 @@ class HostCalls:
             return WASI_EFAULT
         self.process.capture_log(data)
         return 0
-
-    def _guarded(self, finish: Callable[[GuestMemory], int], mem: GuestMemory) -> int:
-        try:
-            return finish(mem)
-        except SymphonyError as error:
-            return int(error.code)
-        except Exception:
-            log.exception("pid %s: finishing a blocking call failed", self.process.pid)
-            return int(ErrorCode.INTERNAL)
 
 
 CALLS = ("vocab_size", "eos_ids", "bos_id", "model_name", "tokenize", "detokenize", "kv_create", "kv_open",

@@ -11,7 +11,7 @@ from typing import Callable
 
 import wasmtime
 
-from .errors import InputClosed, LimitExceeded
+from .errors import ErrorCode, InputClosed, LimitExceeded, SymphonyError
 from .fiber import AsyncLinker, Fiber, HostCall, Pending, set_time_slice, time_slice_renewer
 from .guest_memory import GuestMemory, memory_locator
 from .hostcalls import Block, HostCalls
@@ -170,6 +170,17 @@ class Process:
             self.wake(self)
         return pending
 
+    def finish_block(self, block: Block, call: HostCall | None):
+        """The result of a blocking call whose wait is over: `block.finish`, or, if that raises,
+        `block.failed` of its error code (an unexpected exception is logged, INTERNAL)."""
+        try:
+            return block.finish(self.memory_for(call))
+        except SymphonyError as error:
+            return block.failed(error.code)
+        except Exception:
+            log.exception("pid %s: finishing a blocking call failed", self.pid)
+            return block.failed(ErrorCode.INTERNAL)
+
     def _pred_done(self, _future) -> None:
         self.wake(self)
 
@@ -200,16 +211,20 @@ class Process:
         if self._kill_reason is not None:
             self._end(ProcessState.KILLED, EXIT_KILLED, self._kill_reason)
             return "ended"
+        resumed = False
         if self._blocked is not None:
             block, pending, call = self._blocked
             if not (block.future.done() if block.future is not None else self.input_ready()):
                 return "waiting"
             self._blocked = None
-            pending.complete([block.finish(self.memory_for(call))])
+            pending.complete((self.finish_block(block, call),))
             self.state = ProcessState.RUNNABLE
             self._renew_time_slice()
+            resumed = True
         fiber = self._fiber
-        if not fiber.done and not fiber.poll():
+        # A component's first poll after a blocking call only finishes that call (measured);
+        # the second runs the guest on. A core module's first poll runs on at once.
+        if not fiber.done and not fiber.poll() and not (resumed and self._blocked is None and fiber.poll()):
             if self._blocked is not None:
                 return "waiting"
             # Async instantiation also returns to the poller before it is done.
