@@ -126,7 +126,8 @@ class Engine:
         request = PredRequest(file, tokens, positions, want)
         with self._queue_mutex:
             self.scheduler.add(request)
-            self._queue_lock.notify()
+            if self._thread is not None:  # only the background loop waits on the queue
+                self._queue_lock.notify()
         return request.future
 
     def pred(self, session: KvSession, handle: int, tokens: list[int], positions: list[int] | None = None,

@@ -30,9 +30,10 @@ DEFAULT_GC_THRESHOLD = gc.get_threshold()  # one epoch tick: a guest's time slic
 
 
 class Worker:
-    """A scheduler thread and the processes it owns."""
+    """A scheduler thread and the processes it owns; with `threaded=False` its rounds run on
+    the thread that drives batches (`BatchDriver.run`), with no thread of its own."""
 
-    def __init__(self, index: int, driver: "BatchDriver"):
+    def __init__(self, index: int, driver: "BatchDriver", threaded: bool = True):
         self.index = index
         self.driver = driver
         self.processes: set[Process] = set()
@@ -42,7 +43,8 @@ class Worker:
         self._cond = threading.Condition(self._lock)
         self._stopping = False
         self._round_urgent = False
-        self.thread = threading.Thread(target=self._loop, name=f"symphony-worker-{index}", daemon=True)
+        self.thread = threading.Thread(target=self._loop, name=f"symphony-worker-{index}", daemon=True) \
+            if threaded else None
 
     @property
     def holds_batch(self) -> bool:
@@ -50,6 +52,10 @@ class Worker:
         a kill) or just started, queued or being polled now? Preempted guests, which only
         compute, hold nothing back."""
         return self._urgent > 0 or self._round_urgent
+
+    @property
+    def has_ready(self) -> bool:
+        return bool(self._ready)
 
     def add(self, process: Process) -> None:
         process.wake = self.wake
@@ -61,13 +67,16 @@ class Worker:
         """Queue `process` for this worker's next round (any thread). Wake-ups from the batch
         driver (completed preds) are only queued: the driver starts the next round once it has
         delivered all of them, so one round takes every process the batch released."""
+        driving = self.driver.is_driving()
         with self._lock:
             queued = self._ready.get(process.pid)
             if queued is None or (queued[1] and not preempted):
                 self._urgent += (not preempted) - (queued is not None and not queued[1])
                 self._ready[process.pid] = (process, preempted)
-            if not self.driver.is_driving():
+            if not driving and self.thread is not None:
                 self._cond.notify()
+        if not driving and self.thread is None:
+            self.driver.round_done()  # the driving thread runs this worker's rounds
 
     def kick(self) -> None:
         """Start a round if anything is queued (after the driver delivered a batch)."""
@@ -82,30 +91,46 @@ class Worker:
                     self._cond.wait()
                 if self._stopping:
                     return
-                batch = list(self._ready.values())
-                self._ready.clear()
-                self._round_urgent = self._urgent > 0
-                self._urgent = 0
-            # CPU time: the thread's, read once per round (0.5 us a read here), shared among
-            # the processes in proportion to the wall time each took.
-            cpu_started, walls = time.thread_time(), []
-            for process, _ in batch:
-                started = time.perf_counter()
-                outcome = process.advance()
-                walls.append(time.perf_counter() - started)
-                if outcome == "preempted":
-                    self.wake(process, preempted=True)
-                elif outcome == "continue":
-                    self.wake(process)
-                elif outcome == "ended":
-                    with self._lock:
-                        self.processes.discard(process)
-            cpu_per_wall = (time.thread_time() - cpu_started) / (sum(walls) or 1.0)
-            for (process, _), wall in zip(batch, walls):
-                process.cpu_time_s += wall * cpu_per_wall
-            with self._lock:
-                self._round_urgent = False
+                batch = self._take_round()
+            self._run_round(batch)
             self.driver.round_done()
+
+    def run_ready(self) -> bool:
+        """Run one round of the queued processes here and now; False if none was queued."""
+        with self._lock:
+            if not self._ready:
+                return False
+            batch = self._take_round()
+        self._run_round(batch)
+        return True
+
+    def _take_round(self) -> list[tuple[Process, bool]]:
+        batch = list(self._ready.values())
+        self._ready.clear()
+        self._round_urgent = self._urgent > 0
+        self._urgent = 0
+        return batch
+
+    def _run_round(self, batch: list[tuple[Process, bool]]) -> None:
+        # CPU time: the thread's, read once per round (0.5 us a read here), shared among
+        # the processes in proportion to the wall time each took.
+        cpu_started, walls = time.thread_time(), []
+        for process, _ in batch:
+            started = time.perf_counter()
+            outcome = process.advance()
+            walls.append(time.perf_counter() - started)
+            if outcome == "preempted":
+                self.wake(process, preempted=True)
+            elif outcome == "continue":
+                self.wake(process)
+            elif outcome == "ended":
+                with self._lock:
+                    self.processes.discard(process)
+        cpu_per_wall = (time.thread_time() - cpu_started) / (sum(walls) or 1.0)
+        for (process, _), wall in zip(batch, walls):
+            process.cpu_time_s += wall * cpu_per_wall
+        with self._lock:
+            self._round_urgent = False
 
     def stop(self) -> None:
         with self._cond:
@@ -117,8 +142,9 @@ class BatchDriver:
     """Runs `engine.step()` once no worker holds the batch back (see `Worker.holds_batch`):
     the preds of every process a batch released land together in the next batch, and guests
     that only compute never delay one. It runs on a thread of its own, or, with
-    `own_thread=False`, inside `Runtime.wait` on the caller's thread (measured: a forward pass
-    on the 50M CPU model took 22.7 ms on the main thread and 26-30 ms on any other)."""
+    `own_thread=False`, inside `Runtime.wait` on the caller's thread, which then also runs
+    the rounds of workers without a thread (measured: a forward pass on the 50M CPU model took
+    22.7 ms on the main thread and 26-30 ms on any other; and no thread hand-off per batch)."""
 
     def __init__(self, engine: Engine, own_thread: bool = True):
         self.engine = engine
@@ -141,15 +167,22 @@ class BatchDriver:
         return bool(len(self.engine.scheduler)) and not any(w.holds_batch for w in self.workers)
 
     def run(self, until=lambda: False) -> None:
-        """Run batches on this thread until `stop()` or `until()` is true."""
+        """Run batches (and the rounds of thread-less workers) on this thread until `stop()`
+        or `until()` is true."""
         self.driving_thread = threading.get_ident()
+        here = [worker for worker in self.workers if worker.thread is None]
         try:
             while True:
+                ran = False
+                for worker in here:
+                    ran = worker.run_ready() or ran
                 with self._cond:
-                    while not self._stopping and not until() and not self._ready_to_step():
-                        self._cond.wait(timeout=0.05)
                     if self._stopping or until():
                         return
+                    if not self._ready_to_step():
+                        if not ran and not any(worker.has_ready for worker in here):
+                            self._cond.wait(timeout=0.05)
+                        continue
                 self.engine.step()
                 for worker in self.workers:
                     worker.kick()
@@ -212,10 +245,10 @@ class Runtime:
             blocking = name in BLOCKING_CALLS
             define = self.linker.define_async if blocking else self.linker.define_func
             define("symphony", name, [i32] * arity, [i32], _handler(name, blocking))
-        # drive_in_caller: batches run inside wait() on the caller's thread (one waiter only:
-        # `symphony run`), instead of on a driver thread of their own.
+        # drive_in_caller: batches and process rounds run inside wait() on the caller's thread
+        # (one waiter only: `symphony run`), instead of on threads of their own.
         self.driver = BatchDriver(engine, own_thread=not drive_in_caller)
-        self.workers = [Worker(i, self.driver) for i in range(workers)]
+        self.workers = [Worker(i, self.driver, threaded=not drive_in_caller) for i in range(workers)]
         self.driver.workers = self.workers
         self.processes: dict[int, Process] = {}
         self._ticker = EpochTicker(self.wasm_engine, EPOCH_INTERVAL_S)
@@ -231,23 +264,29 @@ class Runtime:
             self._ticker.start()
             self._watchdog.start()
             for worker in self.workers:
-                worker.thread.start()
+                if worker.thread is not None:
+                    worker.thread.start()
             if self.driver.thread is not None:
                 self.driver.thread.start()
         return self
 
     def close(self) -> None:
         """Kill what still runs and stop the threads."""
-        for process in list(self.processes.values()):
+        processes = list(self.processes.values())
+        for process in processes:
             process.kill("runtime shut down")
-        for process in list(self.processes.values()):
+        if self.driver.thread is None and self._started:  # nobody else runs them: end them here
+            deadline = time.monotonic() + 5
+            self.driver.run(until=lambda: all(p.ended.is_set() for p in processes) or time.monotonic() > deadline)
+        for process in processes:
             process.ended.wait(timeout=5)
         if self._started:
             for worker in self.workers:
                 worker.stop()
             self.driver.stop()
             for worker in self.workers:
-                worker.thread.join()
+                if worker.thread is not None:
+                    worker.thread.join()
             if self.driver.thread is not None:
                 self.driver.thread.join()
             self._ticker.stop()
