@@ -9,7 +9,7 @@ MODEL_FLAG := $(if $(MODEL),--model $(MODEL))
 TORCH_PIN := torch==2.13.0
 
 LIPS := $(patsubst %.c,%.wasm,$(wildcard lips/*.c))
-ZIGCC := $(PY) -m ziglang cc --target=wasm32-wasi -O2 -s -I guest_sdk/c
+ZIGCC := $(PY) -m ziglang cc --target=wasm32-wasi -O2 -msimd128 -s -I guest_sdk/c
 RUST_LIPS := $(patsubst %.rs,%.wasm,$(wildcard lips/rust/*.rs))
 AS_LIPS := $(patsubst %.ts,%.wasm,$(wildcard lips/as/*.ts))
 PY_LIPS := $(patsubst %.py,%.wasm,$(wildcard lips/python/*.py))

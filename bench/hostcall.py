@@ -2,10 +2,18 @@
 
 1. Null model (no forward pass: the runner returns zero logits at once): the per-process cost
    of one suspend / batch / resume round, at 16, 256 and 1024 processes. Each process is a
-   WAT guest doing one `pred_submit` + `pred_wait` per round.
+   WAT guest doing one `pred_submit` + `pred_wait` per round. Measured in the steady state: the
+   time from one full batch (every process in it) to the next, divided by the processes, median
+   over the run's full batches; the table has the median of `repeats` runs (the 2-core VM's
+   noise moves one run by +-30%). Two configurations: one thread, as `symphony run` runs (batches
+   and guests inside `Runtime.wait`), and threads, as `symphony serve` runs (a worker thread
+   for guests, a driver thread for batches).
 2. Real model (the 50M-parameter random Llama of bench/engine.py): tokens/s of `hello`
    processes (lips/hello.c: full distribution to the guest, argmax and detokenize there) against
-   the engine's Python API (host greedy) at the same batch sizes; outputs must match.
+   the engine's Python API at the same batch sizes; outputs must match. Against two API loops:
+   host greedy (the least work), and the API doing hello's work (the full distribution, its
+   argmax, the new text per token). Each of the three runs `repeats` times in the
+   order A B C C B A ...; the table has medians (the 2-core VM's noise is +-15% per run).
 
     python bench/hostcall.py [--quick]
 
@@ -16,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,6 +45,7 @@ from symphony_os.runtime import Runtime  # noqa: E402
 from symphony_os.sampling import Distribution, Sample  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
+WINDOW = 8  # lips/hello.c: tokens of context decoded to stream each new token
 
 ROUNDS_GUEST = """(module
   (import "symphony" "kv_create" (func $kv_create (result i32)))
@@ -62,34 +72,39 @@ class NullRunner:
         return torch.zeros(sum(s.wants_logits for s in seqs), self.vocab_size)
 
 
-def _run_rounds(model_dir: Path, processes: int, rounds: int) -> tuple[float, Engine]:
+def null_model_rounds(model_dir: Path, processes: int, rounds: int, in_caller: bool) -> dict:
+    """Steady-state cost of a round: see the module docstring."""
     engine = Engine.from_path(model_dir, device="cpu", page_size=16,
                               num_pages=processes * (rounds // 16 + 2) + 16, max_batch_size=4096, token_budget=8192)
     engine.runner = NullRunner(engine.loaded.config.vocab_size)
-    with Runtime(engine) as runtime:
+    batch_starts: list[tuple[float, int]] = []  # (time, requests waiting) at each batch
+    step = engine.step
+
+    def timed_step() -> bool:
+        batch_starts.append((time.perf_counter(), len(engine.scheduler)))
+        return step()
+
+    engine.step = timed_step
+    with Runtime(engine, drive_in_caller=in_caller) as runtime:
         program = runtime.load(wasmtime.wat2wasm(ROUNDS_GUEST.replace("ROUNDS", str(rounds))), "rounds")
         started = time.perf_counter()
         procs = [runtime.spawn(program) for _ in range(processes)]
         for proc in procs:
             assert runtime.wait(proc, 600) == 0, proc.end_reason
-        return time.perf_counter() - started, engine
-
-
-def null_model_rounds(model_dir: Path, processes: int, rounds: int) -> dict:
-    """Runs of `rounds` and `2 * rounds` rounds: their difference is the cost of `rounds`
-    rounds alone, without spawning and instantiating the processes."""
-    short, _ = _run_rounds(model_dir, processes, rounds)
-    long, engine = _run_rounds(model_dir, processes, 2 * rounds)
+        elapsed = time.perf_counter() - started
+    full = [b[0] - a[0] for a, b in zip(batch_starts, batch_starts[1:]) if a[1] == b[1] == processes]
     stats = engine.stats()
-    return dict(processes=processes, rounds=rounds, spawn_and_first_rounds_s=short, seconds=long - short,
-                us_per_process_round=1e6 * (long - short) / (processes * rounds),
+    return dict(processes=processes, rounds=rounds, config="one thread" if in_caller else "threads",
+                full_batches=len(full), us_per_process_round=1e6 * statistics.median(full) / processes,
+                us_per_process_round_best=1e6 * min(full) / processes, whole_run_s=elapsed,
                 batches=stats.batches, mean_batch_size=stats.mean_batch_size)
 
 
 def api_decode(engine: Engine, prompts: list[list[int]], new_tokens: int,
                like_hello: bool = False) -> tuple[float, list[list[int]]]:
     """Greedy decoding through the Python API. `like_hello` does hello's own work too: the full
-    distribution per token, argmax of it, and a detokenize of the text so far (to stream)."""
+    distribution per token, argmax of it, and the text it adds (the last WINDOW tokens decoded
+    with and without it, as hello streams)."""
     kv = engine.session()
     handles = [kv.create() for _ in prompts]
     feeds, out, live = [list(p) for p in prompts], [[] for _ in prompts], set(range(len(prompts)))
@@ -103,7 +118,8 @@ def api_decode(engine: Engine, prompts: list[list[int]], new_tokens: int,
             result = fut.result()
             token = int(result.probs.argmax()) if like_hello else result.token
             if like_hello:
-                engine.detokenize(prompts[i] + out[i] + [token])
+                window = (prompts[i] + out[i] + [token])[-WINDOW:]
+                engine.detokenize(window)[len(engine.detokenize(window[:-1])):]
             if token in eos:
                 live.discard(i)
             else:
@@ -132,10 +148,11 @@ def lip_decode(engine: Engine, hello: Path, prompts: list[str], new_tokens: int)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds and tokens")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, tokens and repeats")
     args = parser.parse_args()
-    rounds = 10 if args.quick else 30
+    rounds = 20 if args.quick else 40
     new_tokens = 16 if args.quick else 48
+    repeats = 3 if args.quick else 5
     hello = ROOT / "lips" / "hello.wasm"
     if not hello.exists():
         subprocess.run(["make", "-C", str(ROOT), "lips"], check=True)
@@ -143,10 +160,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tiny = build_random_model(Path(tmp) / "tiny", vocab_size=256, hidden_size=32, intermediate_size=64,
                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
-        null_rows = [null_model_rounds(tiny, n, rounds) for n in (16, 256, 1024)]
-        for row in null_rows:
-            print(f"null model, {row['processes']:>5} processes: {row['us_per_process_round']:.1f} us per process "
-                  f"per round (mean batch {row['mean_batch_size']:.0f})", flush=True)
+        null_rows = []
+        for in_caller in (True, False):
+            for n in (16, 256, 1024):
+                runs = [null_model_rounds(tiny, n, rounds, in_caller) for _ in range(repeats)]
+                row = sorted(runs, key=lambda r: r["us_per_process_round"])[len(runs) // 2]  # the median run
+                row["us_per_process_round_runs"] = [r["us_per_process_round"] for r in runs]
+                null_rows.append(row)
+                print(f"null model, {row['config']}, {n:>5} processes: {row['us_per_process_round']:.1f} us per "
+                      f"process per round (best batch {row['us_per_process_round_best']:.1f})", flush=True)
 
         model_dir = build_random_model(Path(tmp) / "bench", seed=0, **BENCH_SHAPE)
         engine = Engine.from_path(model_dir, device="cpu", page_size=16, num_pages=4096, token_budget=4096)
@@ -158,26 +180,35 @@ def main() -> None:
             ids = [engine.tokenize(t) for t in text_prompts]  # as hello tokenizes them (with BOS)
             api_decode(engine, ids, 2)  # warm up both paths at this batch size
             lip_decode(engine, hello, text_prompts, 2)
-            api_s, api_out = api_decode(engine, ids, new_tokens)
-            same_work_s, _ = api_decode(engine, ids, new_tokens, like_hello=True)
-            lip_s, lip_out = lip_decode(engine, hello, text_prompts, new_tokens)
+            runs = {"api": lambda: api_decode(engine, ids, new_tokens),
+                    "same_work": lambda: api_decode(engine, ids, new_tokens, like_hello=True),
+                    "lip": lambda: lip_decode(engine, hello, text_prompts, new_tokens)}
+            times, outputs = {name: [] for name in runs}, {}
+            for repeat in range(repeats):
+                for name in (list(runs) if repeat % 2 == 0 else list(reversed(runs))):
+                    seconds, outputs[name] = runs[name]()
+                    times[name].append(seconds)
+            api_out, lip_out = outputs["api"], outputs["lip"]
             same = sum(lip == engine.detokenize(p + o) + "\n" for lip, p, o in zip(lip_out, ids, api_out))
             tokens = sum(len(o) for o in api_out)
-            row = dict(batch=batch, tokens=tokens, api_tok_s=tokens / api_s, lip_tok_s=tokens / lip_s,
+            api_s, same_work_s, lip_s = (statistics.median(times[name]) for name in ("api", "same_work", "lip"))
+            row = dict(batch=batch, tokens=tokens, repeats=repeats, api_tok_s=tokens / api_s, lip_tok_s=tokens / lip_s,
                        api_same_work_tok_s=tokens / same_work_s, ratio=api_s / lip_s,
-                       ratio_same_work=same_work_s / lip_s, identical_outputs=f"{same}/{batch}")
+                       ratio_same_work=same_work_s / lip_s, identical_outputs=f"{same}/{batch}",
+                       seconds={name: times[name] for name in runs})
             real_rows.append(row)
             print(f"hello x{batch}: {row['lip_tok_s']:.1f} tok/s vs API {row['api_tok_s']:.1f} ({row['ratio']:.3f}), "
                   f"vs API doing hello's work {row['api_same_work_tok_s']:.1f} ({row['ratio_same_work']:.3f}), "
                   f"identical {row['identical_outputs']}", flush=True)
 
-    print("\nPer-process cost of one suspend/batch/resume round, null model (target <= 20 us at 1024)")
-    print(f"{'processes':>9} | {'us/process/round':>16} | {'mean batch':>10}")
+    print("\nPer-process cost of one suspend/batch/resume round, null model, steady state (target <= 20 us at 1024)")
+    print(f"{'config':>10} | {'processes':>9} | {'us/process/round':>16} | {'best batch':>10} | {'mean batch':>10}")
     for r in null_rows:
-        print(f"{r['processes']:>9} | {r['us_per_process_round']:>16.1f} | {r['mean_batch_size']:>10.0f}")
-    print(f"\nhello processes vs the engine's Python API, 50M random Llama, float32 CPU, {new_tokens} new tokens "
-          "(target ratio >= 0.95). 'API' is host greedy; 'API, hello's work' also takes the full distribution, "
-          "its argmax and a detokenize per token, as hello does")
+        print(f"{r['config']:>10} | {r['processes']:>9} | {r['us_per_process_round']:>16.1f} | "
+              f"{r['us_per_process_round_best']:>10.1f} | {r['mean_batch_size']:>10.0f}")
+    print(f"\nhello processes vs the engine's Python API, 50M random Llama, float32 CPU, {new_tokens} new tokens, "
+          f"median of {repeats} (target ratio >= 0.95). 'API' is host greedy; 'API, hello's work' also takes the full "
+          "distribution, its argmax and a detokenize per token, as hello does")
     print(f"{'batch':>5} | {'LIP tok/s':>9} | {'API tok/s':>9} | {'ratio':>5} | {'API, hello work':>15} | {'ratio':>5} | identical")
     for r in real_rows:
         print(f"{r['batch']:>5} | {r['lip_tok_s']:>9.1f} | {r['api_tok_s']:>9.1f} | {r['ratio']:>5.3f} | "

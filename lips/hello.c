@@ -7,6 +7,7 @@
 #include "symphony.h"
 
 #define MAX_IDS 4096
+#define WINDOW 8 /* tokens of context decoded to stream each new token */
 
 static int32_t ids[MAX_IDS];
 static float dist[1 << 18];
@@ -27,7 +28,7 @@ int main(int argc, char **argv) {
     }
     sym_kv kv = sym_kv_create();
     int printed = sym_detokenize(ids, n, text, sizeof text);
-    sym_send(text, printed);
+    sym_send(text, printed < (int)sizeof text ? printed : (int)sizeof text);
     const int32_t *feed = ids;
     int feed_len = n, total = n;
     for (int step = 0; step < max_tokens; step++) {
@@ -36,17 +37,17 @@ int main(int argc, char **argv) {
             fprintf(stderr, "hello: pred failed with %d\n", got);
             return 1;
         }
-        int32_t best = 0;
-        for (int i = 1; i < vocab; i++)
-            if (dist[i] > dist[best]) best = i;
+        int32_t best = sym_argmax(dist, vocab);
         if (sym_is_eos(best)) break;
         ids[total++] = best;
-        /* Decode the whole text: a character may span tokens; send what is new. */
-        int len = sym_detokenize(ids, total, text, sizeof text);
-        if (len > printed && len <= (int)sizeof text) {
-            sym_send(text + printed, len - printed);
-            printed = len;
-        }
+        /* What the new token adds to the text: the last few tokens decoded with and without it
+           (the tokenizer joins tokens with context, so decode a window, not the token alone;
+           a whole-text decode per token would cost O(length)). */
+        int start = total > WINDOW ? total - WINDOW : 0;
+        int before = sym_detokenize(ids + start, total - 1 - start, text, sizeof text);
+        int after = sym_detokenize(ids + start, total - start, text, sizeof text);
+        if (before >= 0 && after > before && after <= (int)sizeof text)
+            sym_send(text + before, after - before);
         feed = &ids[total - 1];
         feed_len = 1;
     }

@@ -213,7 +213,11 @@ def tune_gc() -> None:
     """Keep Python's cyclic GC off the hot path. Everything loaded so far (torch, transformers,
     the model: ~340k objects, 240 ms per full collection here) is frozen out of collections,
     and young collections run less often. Measured with 256 processes: GC took 320 ms of a
-    1.07 s run (139 us per process per round), 60 ms after freezing."""
+    1.07 s run (139 us per process per round), 60 ms after freezing. Garbage is collected
+    first: frozen, the cycles of an earlier runtime's ended processes (each holding a store's
+    address-space reservation) would never be freed, and a program that runs runtime after
+    runtime ran out of memory mappings (bench/hostcall.py: "Thread creation failed")."""
+    gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 20, 20)
 

@@ -12,13 +12,14 @@ ROOT = Path(__file__).resolve().parent.parent
 SDK = ROOT / "guest_sdk" / "c"
 
 
-def build_c(source: Path, out: Path) -> Path:
-    """Compile a C LIP; reuses `out` when it is newer than the source and the SDK header."""
+def build_c(source: Path, out: Path, simd: bool = True) -> Path:
+    """Compile a C LIP (with wasm SIMD, as `make lips` does, unless `simd` is off); reuses `out`
+    when it is newer than the source and the SDK header."""
     headers = [SDK / "symphony.h", *source.parent.glob("*.h")]  # lips/gallery.h and friends
     newest_input = max(path.stat().st_mtime for path in [source, *headers])
     if not out.exists() or out.stat().st_mtime < newest_input:
         subprocess.run([sys.executable, "-m", "ziglang", "cc", "--target=wasm32-wasi", "-O2", "-s",
-                        f"-I{SDK}", str(source), "-o", str(out)], check=True)
+                        *(["-msimd128"] if simd else []), f"-I{SDK}", str(source), "-o", str(out)], check=True)
     return out
 
 

@@ -1,8 +1,9 @@
-"""The Rust and AssemblyScript SDKs: their programs, built with the real toolchains, compute
-the same tokens as the C ones."""
+"""The SDKs: the Rust and AssemblyScript programs, built with the real toolchains, compute the
+same tokens as the C ones; the C SDK's helpers agree with torch."""
 import pytest
+import torch
 
-from guests import as_lip, lip, rust_lip
+from guests import ROOT, as_lip, build_c, lip, rust_lip
 from symphony_os.engine import Engine
 from symphony_os.runtime import Runtime
 
@@ -38,3 +39,20 @@ def test_parallel_decoding_matches_across_languages(runtime):
     outputs = {language: run(runtime, build("parallel"), args) for language, build in BUILDS.items()}
     assert outputs["c"].count("\n") == 3 and outputs["c"].startswith("[0] The cat")
     assert outputs["rust"] == outputs["c"] == outputs["assemblyscript"]
+
+
+@pytest.mark.parametrize("simd", [True, False], ids=["simd128", "scalar"])
+def test_c_sdk_argmax_is_torch_argmax(runtime, tmp_path, simd):
+    """sym_argmax: the first of equal maxima, as torch.argmax, on both of its code paths."""
+    program = build_c(ROOT / "tests" / "c_guests" / "argmax.c", tmp_path / "argmax.wasm", simd=simd)
+    torch.manual_seed(0)
+    arrays = [torch.rand(n) for n in (1, 3, 7, 8, 9, 4096, 24_577)]
+    arrays += [torch.zeros(13), -torch.rand(100), torch.tensor([1.0, 5, 2, 5, 5, 0, 5, 1, 1]),
+               torch.tensor([0.0] * 9 + [2, 0, 2, 2]), torch.tensor([3.0, 1, 1, 1, 1, 1, 1, 1, 3, 3])]
+    out = []
+    process = runtime.spawn(runtime.load(program), on_output=out.append)
+    for values in arrays:
+        process.deliver(values.numpy().astype("<f4").tobytes())
+    process.close_input()
+    assert runtime.wait(process, 60) == 0, process.end_reason
+    assert [int(line) for line in b"".join(out).split()] == [int(values.argmax()) for values in arrays]
