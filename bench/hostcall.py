@@ -45,7 +45,7 @@ from symphony_os.runtime import Runtime  # noqa: E402
 from symphony_os.sampling import Distribution, Sample  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-WINDOW = 8  # lips/hello.c: tokens of context decoded to stream each new token
+WINDOW = 8  # lips/hello.c: its streaming window
 
 ROUNDS_GUEST = """(module
   (import "symphony" "kv_create" (func $kv_create (result i32)))
@@ -103,11 +103,12 @@ def null_model_rounds(model_dir: Path, processes: int, rounds: int, in_caller: b
 def api_decode(engine: Engine, prompts: list[list[int]], new_tokens: int,
                like_hello: bool = False) -> tuple[float, list[list[int]]]:
     """Greedy decoding through the Python API. `like_hello` does hello's own work too: the full
-    distribution per token, argmax of it, and the text it adds (the last WINDOW tokens decoded
-    with and without it, as hello streams)."""
+    distribution per token, argmax of it, and the text it adds, decoded as hello streams it (a
+    window of recent tokens whose start moves up every WINDOW tokens)."""
     kv = engine.session()
     handles = [kv.create() for _ in prompts]
     feeds, out, live = [list(p) for p in prompts], [[] for _ in prompts], set(range(len(prompts)))
+    starts, decoded = [len(p) for p in prompts], [0] * len(prompts)
     eos = set(engine.loaded.eos_token_ids)
     started = time.perf_counter()
     for _ in range(new_tokens):
@@ -118,8 +119,13 @@ def api_decode(engine: Engine, prompts: list[list[int]], new_tokens: int,
             result = fut.result()
             token = int(result.probs.argmax()) if like_hello else result.token
             if like_hello:
-                window = (prompts[i] + out[i] + [token])[-WINDOW:]
-                engine.detokenize(window)[len(engine.detokenize(window[:-1])):]
+                ids = prompts[i] + out[i] + [token]
+                if len(ids) - 1 - starts[i] >= 2 * WINDOW or starts[i] == len(prompts[i]):
+                    starts[i] = max(0, len(ids) - 1 - WINDOW)
+                    decoded[i] = len(engine.detokenize(ids[starts[i]:-1]))
+                text = engine.detokenize(ids[starts[i]:])
+                text[decoded[i]:]  # the new text, to stream
+                decoded[i] = len(text)
             if token in eos:
                 live.discard(i)
             else:

@@ -31,6 +31,11 @@ int main(int argc, char **argv) {
     sym_send(text, printed < (int)sizeof text ? printed : (int)sizeof text);
     const int32_t *feed = ids;
     int feed_len = n, total = n;
+    /* Streaming: the text from ids[start] on, decoded, is `decoded` bytes long. The tokenizer
+       joins tokens with context, so a new token's text is what it adds to the decode of a
+       window of recent tokens (not its decode alone); a whole-text decode per token would cost
+       O(length). The window start moves up every WINDOW tokens. */
+    int start = n, decoded = 0;
     for (int step = 0; step < max_tokens; step++) {
         int got = sym_pred(kv, feed, NULL, feed_len, dist, vocab);
         if (got < 0) {
@@ -40,14 +45,14 @@ int main(int argc, char **argv) {
         int32_t best = sym_argmax(dist, vocab);
         if (sym_is_eos(best)) break;
         ids[total++] = best;
-        /* What the new token adds to the text: the last few tokens decoded with and without it
-           (the tokenizer joins tokens with context, so decode a window, not the token alone;
-           a whole-text decode per token would cost O(length)). */
-        int start = total > WINDOW ? total - WINDOW : 0;
-        int before = sym_detokenize(ids + start, total - 1 - start, text, sizeof text);
-        int after = sym_detokenize(ids + start, total - start, text, sizeof text);
-        if (before >= 0 && after > before && after <= (int)sizeof text)
-            sym_send(text + before, after - before);
+        if (total - 1 - start >= 2 * WINDOW || start == n) {
+            start = total - 1 > WINDOW ? total - 1 - WINDOW : 0;
+            decoded = sym_detokenize(ids + start, total - 1 - start, text, sizeof text);
+        }
+        int now = sym_detokenize(ids + start, total - start, text, sizeof text);
+        if (decoded >= 0 && now > decoded && now <= (int)sizeof text)
+            sym_send(text + decoded, now - decoded);
+        decoded = now;
         feed = &ids[total - 1];
         feed_len = 1;
     }
