@@ -2,7 +2,7 @@
 
 1. Null model (no forward pass: the runner returns zero logits at once): the per-process cost
    of one suspend / batch / resume round, at 16, 256 and 1024 processes. Each process is a
-   WAT guest doing one `pred_submit` + `pred_wait` per round. Measured in the steady state: the
+   WAT guest doing one blocking `pred` per round (also: `pred_submit` + `pred_wait`). Measured in the steady state: the
    time from one full batch (every process in it) to the next, divided by the processes, median
    over the run's full batches; the table has the median of `repeats` runs (the 2-core VM's
    noise moves one run by +-30%). Two configurations: one thread, as `symphony run` runs (batches
@@ -49,6 +49,19 @@ WINDOW = 8  # lips/hello.c: its streaming window
 
 ROUNDS_GUEST = """(module
   (import "symphony" "kv_create" (func $kv_create (result i32)))
+  (import "symphony" "pred" (func $pred (param i32 i32 i32 i32 i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 16) "\\05\\00\\00\\00")
+  (func (export "_start") (local $kv i32) (local $i i32)
+    (local.set $kv (call $kv_create))
+    (loop $round
+      (drop (call $pred (local.get $kv) (i32.const 16) (i32.const 0) (i32.const 1) (i32.const 2) (i32.const 0)
+                        (i32.const 0) (i32.const 0)))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br_if $round (i32.lt_s (local.get $i) (i32.const ROUNDS))))))"""
+# The same round as two calls: a ticket, then a wait on it (how parallel branches use it).
+SUBMIT_WAIT_GUEST = """(module
+  (import "symphony" "kv_create" (func $kv_create (result i32)))
   (import "symphony" "pred_submit" (func $submit (param i32 i32 i32 i32 i32 i32) (result i32)))
   (import "symphony" "pred_wait" (func $wait (param i32 i32 i32) (result i32)))
   (memory (export "memory") 1)
@@ -72,7 +85,7 @@ class NullRunner:
         return torch.zeros(sum(s.wants_logits for s in seqs), self.vocab_size)
 
 
-def null_model_rounds(model_dir: Path, processes: int, rounds: int, in_caller: bool) -> dict:
+def null_model_rounds(model_dir: Path, processes: int, rounds: int, in_caller: bool, guest: str = ROUNDS_GUEST) -> dict:
     """Steady-state cost of a round: see the module docstring."""
     engine = Engine.from_path(model_dir, device="cpu", page_size=16,
                               num_pages=processes * (rounds // 16 + 2) + 16, max_batch_size=4096, token_budget=8192)
@@ -86,7 +99,7 @@ def null_model_rounds(model_dir: Path, processes: int, rounds: int, in_caller: b
 
     engine.step = timed_step
     with Runtime(engine, drive_in_caller=in_caller) as runtime:
-        program = runtime.load(wasmtime.wat2wasm(ROUNDS_GUEST.replace("ROUNDS", str(rounds))), "rounds")
+        program = runtime.load(wasmtime.wat2wasm(guest.replace("ROUNDS", str(rounds))), "rounds")
         started = time.perf_counter()
         procs = [runtime.spawn(program) for _ in range(processes)]
         for proc in procs:
@@ -95,6 +108,7 @@ def null_model_rounds(model_dir: Path, processes: int, rounds: int, in_caller: b
     full = [b[0] - a[0] for a, b in zip(batch_starts, batch_starts[1:]) if a[1] == b[1] == processes]
     stats = engine.stats()
     return dict(processes=processes, rounds=rounds, config="one thread" if in_caller else "threads",
+                calls="pred" if guest is ROUNDS_GUEST else "pred_submit + pred_wait",
                 full_batches=len(full), us_per_process_round=1e6 * statistics.median(full) / processes,
                 us_per_process_round_best=1e6 * min(full) / processes, whole_run_s=elapsed,
                 batches=stats.batches, mean_batch_size=stats.mean_batch_size)
@@ -167,13 +181,13 @@ def main() -> None:
         tiny = build_random_model(Path(tmp) / "tiny", vocab_size=256, hidden_size=32, intermediate_size=64,
                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
         null_rows = []
-        for in_caller in (True, False):
+        for in_caller, guest in ((True, ROUNDS_GUEST), (False, ROUNDS_GUEST), (True, SUBMIT_WAIT_GUEST)):
             for n in (16, 256, 1024):
-                runs = [null_model_rounds(tiny, n, rounds, in_caller) for _ in range(repeats)]
+                runs = [null_model_rounds(tiny, n, rounds, in_caller, guest) for _ in range(repeats)]
                 row = sorted(runs, key=lambda r: r["us_per_process_round"])[len(runs) // 2]  # the median run
                 row["us_per_process_round_runs"] = [r["us_per_process_round"] for r in runs]
                 null_rows.append(row)
-                print(f"null model, {row['config']}, {n:>5} processes: {row['us_per_process_round']:.1f} us per "
+                print(f"null model, {row['config']}, {row['calls']}, {n:>5} processes: {row['us_per_process_round']:.1f} us per "
                       f"process per round (best batch {row['us_per_process_round_best']:.1f})", flush=True)
 
         model_dir = build_random_model(Path(tmp) / "bench", seed=0, **BENCH_SHAPE)
@@ -208,9 +222,10 @@ def main() -> None:
                   f"identical {row['identical_outputs']}", flush=True)
 
     print("\nPer-process cost of one suspend/batch/resume round, null model, steady state (target <= 20 us at 1024)")
-    print(f"{'config':>10} | {'processes':>9} | {'us/process/round':>16} | {'best batch':>10} | {'mean batch':>10}")
+    print(f"{'config':>10} | {'guest calls':>23} | {'processes':>9} | {'us/process/round':>16} | {'best batch':>10} | "
+          f"{'mean batch':>10}")
     for r in null_rows:
-        print(f"{r['config']:>10} | {r['processes']:>9} | {r['us_per_process_round']:>16.1f} | "
+        print(f"{r['config']:>10} | {r['calls']:>23} | {r['processes']:>9} | {r['us_per_process_round']:>16.1f} | "
               f"{r['us_per_process_round_best']:>10.1f} | {r['mean_batch_size']:>10.0f}")
     print(f"\nhello processes vs the engine's Python API, 50M random Llama, float32 CPU, {new_tokens} new tokens, "
           f"median of {repeats} (target ratio >= 0.95). 'API' is host greedy; 'API, hello's work' also takes the full "

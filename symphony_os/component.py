@@ -469,6 +469,9 @@ class ComponentCalls:
             raise InvalidArgument(f"pred takes 1 to {MAX_TOKENS_PER_PRED} tokens, got {len(ids)}")
         return self.core.submit(kv, ids, positions, _want_of(want, self.vocab_size()))
 
+    def pred(self, kv: int, ids: list[int], positions: list[int] | None, want):
+        return self.pred_wait(self.pred_submit(kv, ids, positions, want))
+
     def pred_wait(self, ticket: int):
         entry = self.core.tickets.get(ticket)
         if entry is None:
@@ -585,6 +588,7 @@ _INTERFACES: dict[str, dict[str, tuple[Callable, bool]]] = {
         "kv_remove", "kv_hint", "kv_open_prefix", "kv_cache_prefix")},
     "inference": {
         "pred-submit": (ComponentCalls.pred_submit, False), "pred-wait": (ComponentCalls.pred_wait, True),
+        "pred": (ComponentCalls.pred, True),
         "[method]distribution.argmax": (ComponentCalls.distribution_argmax, False),
         "[method]distribution.top-k": (ComponentCalls.distribution_top_k, False),
         "[method]distribution.logprob": (ComponentCalls.distribution_logprob, False),

@@ -340,6 +340,20 @@ class HostCalls:
             return finish(mem)
         return Block("blocked-on-pred", entry.future, finish)
 
+    def pred(self, mem: GuestMemory, kv: int, ids_ptr: int, pos_ptr: int, n: int, kind: int, arg: int,
+             out_ptr: int, cap: int) -> int | Block:
+        """pred_submit and pred_wait in one blocking call (the paper's `pred`): one host call per
+        token instead of two. The output's room is checked before anything is queued, so an
+        error leaves nothing in flight (there is no ticket to call again with)."""
+        if cap < 0:
+            raise InvalidArgument("cap must be >= 0")
+        needed = {KIND_DISTRIBUTION: self.engine.loaded.config.vocab_size, KIND_TOPK: 2 * arg,
+                  KIND_GREEDY_EACH: n}.get(kind, 0)
+        if cap < needed:
+            raise BufferTooSmall(f"pred of kind {kind} writes {needed} values, cap is {cap}")
+        mem.check(out_ptr, 4 * cap)
+        return self.pred_wait(mem, self.pred_submit(mem, kv, ids_ptr, pos_ptr, n, kind, arg), out_ptr, cap)
+
     # ---- I/O ----
 
     def send(self, mem: GuestMemory, ptr: int, length: int) -> int:
@@ -403,4 +417,4 @@ class HostCalls:
 CALLS = ("vocab_size", "eos_ids", "bos_id", "model_name", "tokenize", "detokenize", "kv_create", "kv_open",
          "kv_fork", "kv_extract", "kv_merge", "kv_len", "kv_truncate", "kv_close", "kv_remove", "kv_hint",
          "kv_open_prefix", "kv_cache_prefix",
-         "pred_submit", "pred_wait", "send", "recv", "tool")
+         "pred_submit", "pred_wait", "pred", "send", "recv", "tool")

@@ -24,7 +24,7 @@ from .process import Process, ProcessLimits
 from .program import Program, load_program, load_program_file
 from .tools import ToolRegistry, default_tools
 
-BLOCKING_CALLS = ("pred_wait", "recv")
+BLOCKING_CALLS = ("pred_wait", "pred", "recv")
 EPOCH_INTERVAL_S = 0.01
 DEFAULT_GC_THRESHOLD = gc.get_threshold()  # one epoch tick: a guest's time slice is a multiple of this
 

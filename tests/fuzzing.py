@@ -36,8 +36,9 @@ from symphony_os.program_store import ProgramStore
 from symphony_os.random_model import build_random_model
 from symphony_os.runtime import Runtime
 
-RECORD = struct.Struct("<B7i")
 CALLS = [*HostCalls.table().items(), ("fd_write", 4), ("memory.grow", 1)]
+ARGS = max(arity for _, arity in CALLS)  # every call in the driver takes this many (extra ones unused)
+RECORD = struct.Struct(f"<B{ARGS}i")
 INPUT_AT, INPUT_CAP, MEMORY_PAGES = 3 * 65536, 65536, 4
 IDS, TEXT, SAMPLING = 1024, 2048, 4096
 MAX_CALLS = 40
@@ -64,7 +65,7 @@ def driver_module() -> bytes:
     return wat(f"""(module
       {imports}
       (import "wasi_snapshot_preview1" "fd_write" (func $fd_write (param i32 i32 i32 i32) (result i32)))
-      (type $any (func (param i32 i32 i32 i32 i32 i32 i32) (result i32)))
+      (type $any (func (param{" i32" * ARGS}) (result i32)))
       (memory (export "memory") {MEMORY_PAGES})
       (data (i32.const {IDS}) "{ids}")
       (data (i32.const {TEXT}) "abc/def@bob/secret")
@@ -79,9 +80,7 @@ def driver_module() -> bytes:
         (block $done (loop $next
           (br_if $done (i32.gt_u (i32.add (local.get $p) (i32.const {RECORD.size})) (local.get $end)))
           (drop (call_indirect (type $any)
-            (i32.load offset=1 (local.get $p)) (i32.load offset=5 (local.get $p)) (i32.load offset=9 (local.get $p))
-            (i32.load offset=13 (local.get $p)) (i32.load offset=17 (local.get $p)) (i32.load offset=21 (local.get $p))
-            (i32.load offset=25 (local.get $p))
+            {" ".join(f"(i32.load offset={1 + 4 * i} (local.get $p))" for i in range(ARGS))}
             (i32.rem_u (i32.load8_u (local.get $p)) (i32.const {len(CALLS)}))))
           (local.set $p (i32.add (local.get $p) (i32.const {RECORD.size})))
           (br $next)))))""")
@@ -119,11 +118,11 @@ def _plausible(index: int):
     name, arity = CALLS[index]
     method = getattr(HostCalls, name, None)
     names = method.__code__.co_varnames[2:2 + arity] if method is not None else ("n",) * arity
-    return st.tuples(st.just(index), st.tuples(*[_role(p) for p in names], *[st.just(0)] * (7 - arity)).map(list))
+    return st.tuples(st.just(index), st.tuples(*[_role(p) for p in names], *[st.just(0)] * (ARGS - arity)).map(list))
 
 
 _plausible_call = st.integers(0, len(CALLS) - 1).flatmap(_plausible)
-host_call = st.one_of(st.tuples(st.integers(0, 255), st.lists(argument, min_size=7, max_size=7)),
+host_call = st.one_of(st.tuples(st.integers(0, 255), st.lists(argument, min_size=ARGS, max_size=ARGS)),
                       _plausible_call, _plausible_call, _plausible_call)  # three in four plausible
 call_sequence = st.lists(host_call, max_size=MAX_CALLS)
 

@@ -70,6 +70,12 @@ CASES = [
     ("send", [0, HUGE], E.INVALID_ARGUMENT),
     ("recv", [0, NEG], E.INVALID_ARGUMENT), ("recv", [OOB, 100], E.BAD_POINTER),
     ("pred_wait", ["TICKET", 0, NEG], E.INVALID_ARGUMENT), ("pred_wait", ["TICKET", 0, HUGE], E.BAD_POINTER),
+    # pred (submit + wait in one call): every failure comes before anything is queued
+    ("pred", [77, GOOD_IDS, 0, 1, 2, 0, 0, 0], E.BAD_HANDLE), ("pred", ["STALE", GOOD_IDS, 0, 1, 2, 0, 0, 0], E.BAD_HANDLE),
+    ("pred", ["KV", OOB, 0, 1000, 2, 0, 0, 0], E.BAD_POINTER), ("pred", ["KV", GOOD_IDS, 0, NEG, 2, 0, 0, 0], E.INVALID_ARGUMENT),
+    ("pred", ["KV", GOOD_IDS, 0, 1, 9, 0, 0, 0], E.INVALID_ARGUMENT),
+    ("pred", ["KV", GOOD_IDS, 0, 1, 0, 0, RESULTS + 1024, 3], E.BUFFER_TOO_SMALL),  # the distribution
+    ("pred", ["KV", GOOD_IDS, 0, 1, 0, 0, OOB, HUGE], E.BAD_POINTER), ("pred", ["KV", GOOD_IDS, 0, 1, 2, 0, 0, NEG], E.INVALID_ARGUMENT),
 ]
 
 

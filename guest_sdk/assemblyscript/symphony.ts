@@ -34,6 +34,7 @@
 @external("symphony", "kv_cache_prefix") export declare function kv_cache_prefix(kv: i32): i32;
 @external("symphony", "pred_submit") export declare function pred_submit(kv: i32, ids_ptr: usize, positions_ptr: usize, n: i32, kind: i32, arg: i32): i32;
 @external("symphony", "pred_wait") export declare function pred_wait(ticket: i32, out_ptr: usize, cap: i32): i32;
+@external("symphony", "pred") export declare function pred(kv: i32, ids_ptr: usize, positions_ptr: usize, n: i32, kind: i32, arg: i32, out_ptr: usize, cap: i32): i32;
 @external("symphony", "send") export declare function send(ptr: usize, len: i32): i32;
 @external("symphony", "recv") export declare function recv(out_ptr: usize, cap: i32): i32;
 @external("symphony", "tool") export declare function tool(name_ptr: usize, name_len: i32, input_ptr: usize, input_len: i32, out_ptr: usize, cap: i32): i32;

@@ -247,11 +247,12 @@ class Kv:
 
     def pred(self, ids: list[int], positions: list[int] | None = None) -> Distribution:
         """Append `ids`; the next-token distribution (kept on the host)."""
-        return self.submit(ids, None, positions).wait()
+        return Distribution(_check(inference.pred, self.handle, list(ids), positions,
+                                   inference.Want_Distribution()).value)
 
     def next_token(self, ids: list[int], sampler=Greedy()) -> int:
-        """Append `ids`; one token chosen on the host by `sampler`."""
-        return self.submit(ids, sampler).wait()
+        """Append `ids`; one token chosen on the host by `sampler` (one host call)."""
+        return _check(inference.pred, self.handle, list(ids), None, sampler.want()).value
 
     def top_k(self, ids: list[int], k: int) -> list[tuple[int, float]]:
         return self.submit(ids, TopK(k)).wait()

@@ -37,6 +37,7 @@ pub mod sys {
         pub fn kv_cache_prefix(kv: i32) -> i32;
         pub fn pred_submit(kv: i32, ids_ptr: *const i32, positions_ptr: *const i32, n: i32, kind: i32, arg: i32) -> i32;
         pub fn pred_wait(ticket: i32, out_ptr: *mut u8, cap: i32) -> i32;
+        pub fn pred(kv: i32, ids_ptr: *const i32, positions_ptr: *const i32, n: i32, kind: i32, arg: i32, out_ptr: *mut u8, cap: i32) -> i32;
         pub fn send(ptr: *const u8, len: i32) -> i32;
         pub fn recv(out_ptr: *mut u8, cap: i32) -> i32;
         pub fn tool(name_ptr: *const u8, name_len: i32, input_ptr: *const u8, input_len: i32, out_ptr: *mut u8, cap: i32) -> i32;
