@@ -18,6 +18,7 @@ from .model import DecoderModel, ModelConfig, rope_inv_freq
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+DEFAULT_MODEL_NAME = "symphony-stdlib-4M"  # its card's name (default_model/README.md)
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -222,7 +223,8 @@ def load_model(source: str | Path, dtype: str | torch.dtype | None = None, devic
         generation_config, name = None, path.stem
     else:
         hf_config, raw, tokenizer = _read_directory(path)
-        generation_config, name = path / "generation_config.json", path.resolve().name
+        generation_config = path / "generation_config.json"
+        name = DEFAULT_MODEL_NAME if path.resolve() == DEFAULT_MODEL_DIR else path.resolve().name
     cfg = ModelConfig.from_hf(hf_config)
     weights = _arrange_weights(raw, cfg, torch_dtype, device)
     inv_freq, rope_scale = rope_inv_freq(hf_config)

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .loader import DEFAULT_MODEL_DIR
+from .loader import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
 
 SHARED_MODELS_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "models"
 
@@ -54,7 +54,7 @@ def _hub_cache_entries() -> list[ModelEntry]:
 
 
 def find_models() -> list[ModelEntry]:
-    candidates: list[ModelEntry | None] = [_entry(DEFAULT_MODEL_DIR, "default")]
+    candidates: list[ModelEntry | None] = [_entry(DEFAULT_MODEL_DIR, "default", DEFAULT_MODEL_NAME)]
     if os.environ.get("SYMPHONY_MODEL"):
         candidates.append(_entry(Path(os.environ["SYMPHONY_MODEL"]), "$SYMPHONY_MODEL"))
     if SHARED_MODELS_DIR.is_dir():

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from conftest import SHARED_MODEL, build_hf_model, greedy_continuation
 from symphony_os.cli import main
 from symphony_os.engine import Engine
-from symphony_os.loader import DEFAULT_MODEL_DIR, ModelLoadError, default_model_path, load_model
+from symphony_os.loader import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME, ModelLoadError, default_model_path, load_model
 from test_model_parity import PROMPT, _our_logits, assert_matches_transformers
 
 GGUF = SHARED_MODEL.parent / "stories260K.gguf"
@@ -38,12 +38,14 @@ def test_default_model_is_small_and_documented():
     weights = sum(f.stat().st_size for f in DEFAULT_MODEL_DIR.iterdir())
     assert weights <= 20 * 2**20, f"the default model takes {weights / 2**20:.1f} MiB"
     card = (DEFAULT_MODEL_DIR / "README.md").read_text()
+    assert card.startswith(f"# {DEFAULT_MODEL_NAME}:")  # the name `symphony info` and /v1/models give it
     assert "Intended use" in card and "loss.png" in card
     assert (DEFAULT_MODEL_DIR / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_default_model_logits_match_transformers():
     engine = Engine.from_path(DEFAULT_MODEL_DIR, device="cpu", num_pages=8)
+    assert engine.loaded.name == DEFAULT_MODEL_NAME
     prompt = engine.tokenize("class Stack:\n    def push(self, item):\n")
     assert_matches_transformers(DEFAULT_MODEL_DIR, prompt, device="cpu", page_size=16, num_pages=64)
 
