@@ -234,18 +234,20 @@ export class Kv {
     const record = sampling ? sampling.record() : 0;
     return new Ticket(check(pred_submit(this.handle, ids.dataStart, 0, ids.length, PRED_SAMPLE, <i32>record), "pred"), 0);
   }
-  /** Appends `ids`; the next-token distribution. */
+  /** Appends `ids`; the next-token distribution (one blocking `pred` host call). */
   pred(ids: Int32Array): Float32Array {
-    return this.submitDistribution(ids).distribution();
+    const probs = new Float32Array(vocab_size());
+    check(pred(this.handle, ids.dataStart, 0, ids.length, PRED_DIST, 0, probs.dataStart, probs.length), "pred");
+    return probs;
   }
   predSample(ids: Int32Array, sampling: Sampling | null = null): i32 {
-    return this.submitSample(ids, sampling).token();
+    const record = sampling ? sampling.record() : 0;
+    return check(pred(this.handle, ids.dataStart, 0, ids.length, PRED_SAMPLE, <i32>record, 0, 0), "pred");
   }
   /** Appends `ids`; the greedy next token after each of them (speculative verification). */
   predGreedyEach(ids: Int32Array): Int32Array {
-    const t = check(pred_submit(this.handle, ids.dataStart, 0, ids.length, PRED_GREEDY_EACH, 0), "pred");
     const out = new Int32Array(ids.length);
-    check(pred_wait(t, out.dataStart, out.length), "pred_wait");
+    check(pred(this.handle, ids.dataStart, 0, ids.length, PRED_GREEDY_EACH, 0, out.dataStart, out.length), "pred");
     return out;
   }
 }

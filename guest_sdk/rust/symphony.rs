@@ -225,21 +225,33 @@ impl Kv {
     pub fn submit_greedy_each(&self, ids: &[u32]) -> Result<Ticket> {
         self.submit(ids, PRED_GREEDY_EACH, 0)
     }
+    /// One blocking `pred` (submit and wait in one host call) with room for `len` values.
+    fn pred_into<T: Default + Clone>(&self, ids: &[u32], kind: i32, arg: i32, len: usize) -> Result<(Vec<T>, usize)> {
+        let mut out = vec![T::default(); len];
+        let n = check(unsafe {
+            sys::pred(self.0, ids.as_ptr() as *const i32, std::ptr::null(), ids.len() as i32, kind, arg,
+                      out.as_mut_ptr() as *mut u8, len as i32)
+        })?;
+        Ok((out, n as usize))
+    }
     /// Appends `ids`; the next-token distribution (vocab_size() probabilities).
     pub fn pred(&self, ids: &[u32]) -> Result<Vec<f32>> {
-        self.submit_dist(ids)?.distribution()
+        self.pred_into::<f32>(ids, PRED_DIST, 0, vocab_size()).map(|(probs, _)| probs)
     }
     /// Appends `ids`; one token sampled on the host.
     pub fn pred_sample(&self, ids: &[u32], sampling: &Sampling) -> Result<u32> {
-        self.submit_sample(ids, sampling)?.token()
+        let record = sampling.record();
+        self.pred_into::<u32>(ids, PRED_SAMPLE, &record as *const SamplingRecord as i32, 0).map(|(_, token)| token as u32)
     }
     /// Appends `ids`; the k most likely (id, log-probability), most likely first.
     pub fn pred_topk(&self, ids: &[u32], k: usize) -> Result<Vec<(u32, f32)>> {
-        self.submit_topk(ids, k)?.top()
+        let (buf, n) = self.pred_into::<u32>(ids, PRED_TOPK, k as i32, 2 * k)?;
+        Ok((0..n).map(|i| (buf[i], f32::from_bits(buf[n + i]))).collect())
     }
     /// Appends `ids`; the greedy next token after each of them (speculative verification).
     pub fn pred_greedy_each(&self, ids: &[u32]) -> Result<Vec<u32>> {
-        self.submit_greedy_each(ids)?.tokens()
+        let (buf, n) = self.pred_into::<u32>(ids, PRED_GREEDY_EACH, 0, ids.len())?;
+        Ok(buf[..n].to_vec())
     }
 }
 
