@@ -23,6 +23,7 @@ ctypes layer (`wasmtime._ffi`). The C API's rules, and what breaking them did:
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import struct
 import threading
@@ -109,8 +110,7 @@ def time_slice_renewer(store: wasmtime.Store, epoch_ticks: int) -> Callable[[], 
     """A function that gives `store`'s guests a fresh slice of `epoch_ticks` from now. Call it
     before resuming a guest that was blocked: its old deadline passed while it waited, and it
     would otherwise yield at its first loop back-edge (a whole extra poll per resume)."""
-    context = _address(store._context())
-    return lambda: _set_epoch_deadline(context, epoch_ticks)
+    return functools.partial(_set_epoch_deadline, _address(store._context()), epoch_ticks)
 
 
 class PeriodicThread:
@@ -420,7 +420,8 @@ def _continue_waiting(waiting_key) -> bool:
             waiting.function.results.write(waiting.results, pending.values, waiting.function.qualified_name)
     except BaseException as error:
         _set_trap(waiting.trap_slot, _trap_for(waiting.function, error))
-    _forget_waiting(waiting_key)
+    del _WAITING[waiting_key]  # the wait is over (as _forget_waiting, inline: once per resume)
+    waiting.call._caller = None
     return True
 
 

@@ -38,18 +38,15 @@ class GuestMemory:
         array = (ctypes.c_char * self._size).from_address(self._base) if self._size else b""
         self._view = memoryview(array).cast("B")
 
-    def _check(self, ptr: int, length: int) -> None:
+    def check(self, ptr: int, length: int) -> None:
+        """Raise BadPointer unless [ptr, ptr + length) lies inside memory (an output buffer the
+        guest offers is checked whole, however much of it is then used)."""
         if not (0 <= ptr and 0 <= length and ptr + length <= self._size):
             if ptr == 0 and length == 0:
                 return  # an empty buffer at NULL: nothing to locate
             self._relocate()  # the memory may have grown since
             if not (0 <= ptr <= MAX_I32 and 0 <= length <= MAX_I32 and ptr + length <= self._size):
                 raise BadPointer(f"guest range [{ptr}, {ptr}+{length}) is outside memory of {self._size} bytes")
-
-    def check(self, ptr: int, length: int) -> None:
-        """Raise BadPointer unless [ptr, ptr + length) lies inside memory (an output buffer the
-        guest offers is checked whole, however much of it is then used)."""
-        self._check(ptr, length)
 
     @property
     def size(self) -> int:
@@ -58,11 +55,11 @@ class GuestMemory:
         return self._size
 
     def read(self, ptr: int, length: int) -> bytes:
-        self._check(ptr, length)
+        self.check(ptr, length)
         return bytes(self._view[ptr:ptr + length]) if length else b""
 
     def write(self, ptr: int, data: bytes) -> None:
-        self._check(ptr, len(data))
+        self.check(ptr, len(data))
         if data:
             self._view[ptr:ptr + len(data)] = data
 
@@ -75,7 +72,7 @@ class GuestMemory:
     def read_i32s(self, ptr: int, count: int) -> list[int]:
         if count < 0 or count > MAX_I32 // 4:
             raise BadPointer(f"bad element count {count}")
-        self._check(ptr, 4 * count)
+        self.check(ptr, 4 * count)
         return list(struct.unpack_from(f"<{count}i", self._view, ptr)) if count else []
 
     def write_i32s(self, ptr: int, values: list[int]) -> None:
@@ -89,7 +86,7 @@ class GuestMemory:
         one memmove (about 20 us for 600 KB)."""
         tensor = tensor.contiguous()
         nbytes = tensor.numel() * tensor.element_size()
-        self._check(ptr, nbytes)
+        self.check(ptr, nbytes)
         if nbytes:
             ctypes.memmove(self._base + ptr, tensor.data_ptr(), nbytes)
 

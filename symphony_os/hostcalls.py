@@ -260,7 +260,7 @@ class HostCalls:
             raise InvalidArgument(f"pred needs 1 or more token ids, each in [0, {vocab})")
         if isinstance(want, Distribution):
             self._check_distribution_bytes()
-        else:
+        elif want is not GREEDY:  # GREEDY was checked once, where it is made
             validate_want(want, vocab)
         future = self.engine.enqueue(self.kv, kv, tokens, positions, want)
         if kv in self.prefix_files:

@@ -67,7 +67,7 @@ class Worker:
         """Queue `process` for this worker's next round (any thread). Wake-ups from the batch
         driver (completed preds) are only queued: the driver starts the next round once it has
         delivered all of them, so one round takes every process the batch released."""
-        driving = self.driver.is_driving()
+        driving = threading.get_ident() == self.driver.driving_thread  # is_driving(), inline: once per pred
         with self._lock:
             queued = self._ready.get(process.pid)
             if queued is None or (queued[1] and not preempted):

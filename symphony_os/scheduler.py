@@ -40,15 +40,12 @@ class PredRequest:
 
 @dataclass
 class ScheduledChunk:
-    """Tokens [start, start + count) of a request, run in this batch."""
+    """Tokens [start, start + count) of a request, run in this batch; `is_last` when they end it."""
 
     request: PredRequest
     start: int
     count: int
-
-    @property
-    def is_last(self) -> bool:
-        return self.start + self.count == len(self.request.tokens)
+    is_last: bool
 
 
 @dataclass
@@ -104,7 +101,7 @@ class BatchScheduler:
                     skipped_files.add(file_id)
                     continue
                 count = min(remaining, budget)
-                chunks.append(ScheduledChunk(request, request.done, count))
+                chunks.append(ScheduledChunk(request, request.done, count, count == remaining))
                 busy_files.add(file_id)
                 budget -= count
         return BatchPlan(chunks)
