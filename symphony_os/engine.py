@@ -113,12 +113,6 @@ class Engine:
             if len(positions) != len(tokens):
                 raise InvalidArgument(f"{len(tokens)} tokens but {len(positions)} positions")
         validate_want(want, vocab)
-        return self.enqueue(session, handle, tokens, positions, want)
-
-    def enqueue(self, session: KvSession, handle: int, tokens: list[int], positions: list[int] | None,
-                want: Want) -> PredFuture:
-        """submit() for a caller that has checked its arguments already (the host calls do, as
-        they read them from the guest): token ids in range, one position per token, `want`."""
         with self.kvfs.lock:
             file = session.file_of(handle, write=True)
             self.kvfs.acquire(file)

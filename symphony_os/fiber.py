@@ -54,17 +54,17 @@ def raw_prototype(name: str, restype, *argtypes):
 _vp, _size = ctypes.c_void_p, ctypes.c_size_t
 # wasmtime-py 50 declares this function as returning an error pointer, but the C function
 # returns void (its return register holds garbage): reading that "error" segfaulted.
-_epoch_deadline_async_yield_and_update = raw_prototype("wasmtime_context_epoch_deadline_async_yield_and_update", None,
-                                              _vp, ctypes.c_uint64)
+_epoch_deadline_async_yield_and_update = raw_prototype("wasmtime_context_epoch_deadline_async_yield_and_update",
+                                                       None, _vp, ctypes.c_uint64)
 _set_epoch_deadline = raw_prototype("wasmtime_context_set_epoch_deadline", None, _vp, ctypes.c_uint64)
 _future_poll = raw_prototype("wasmtime_call_future_poll", ctypes.c_bool, _vp)
 _future_delete = raw_prototype("wasmtime_call_future_delete", None, _vp)
 _define_func = raw_prototype("wasmtime_linker_define_func", _vp, _vp, ctypes.c_char_p, _size, ctypes.c_char_p, _size,
-                    _vp, _vp, _vp, _vp)
+                             _vp, _vp, _vp, _vp)
 _define_async_func = raw_prototype("wasmtime_linker_define_async_func", _vp, _vp, ctypes.c_char_p, _size,
-                          ctypes.c_char_p, _size, _vp, _vp, _vp, _vp)
+                                   ctypes.c_char_p, _size, _vp, _vp, _vp, _vp)
 _caller_export_get = raw_prototype("wasmtime_caller_export_get", ctypes.c_bool, _vp, ctypes.c_char_p, _size,
-                          ctypes.POINTER(ffi.wasmtime_extern_t))
+                                   ctypes.POINTER(ffi.wasmtime_extern_t))
 _caller_context = raw_prototype("wasmtime_caller_context", _vp, _vp)
 _memory_data = raw_prototype("wasmtime_memory_data", _vp, _vp, ctypes.POINTER(ffi.wasmtime_memory_t))
 _memory_data_size = raw_prototype("wasmtime_memory_data_size", _size, _vp, ctypes.POINTER(ffi.wasmtime_memory_t))
@@ -420,8 +420,7 @@ def _continue_waiting(waiting_key) -> bool:
             waiting.function.results.write(waiting.results, pending.values, waiting.function.qualified_name)
     except BaseException as error:
         _set_trap(waiting.trap_slot, _trap_for(waiting.function, error))
-    del _WAITING[waiting_key]  # the wait is over (as _forget_waiting, inline: once per resume)
-    waiting.call._caller = None
+    _forget_waiting(waiting_key)
     return True
 
 

@@ -19,9 +19,7 @@ from .guest_memory import GuestMemory
 from .limits import check_kv_pages
 from .pred_future import PredFuture
 from .prefix_cache import PrefixCache, TrackedFile
-from .sampling import GREEDY, Distribution, GreedyEach, Sample, TopK, Want, validate_want
-
-DISTRIBUTION, GREEDY_EACH = Distribution(), GreedyEach()  # wants without parameters: one of each
+from .sampling import GREEDY, Distribution, GreedyEach, Sample, TopK, Want
 
 if TYPE_CHECKING:
     from .process import Process
@@ -60,7 +58,7 @@ def _signature_of(func) -> int:
 
 
 class HostCalls:
-    """The system calls of one process. `call(name, memory, args)` is the single entry point."""
+    """The system calls of one process, each entered through `dispatch`."""
 
     def __init__(self, process: "Process"):
         self.process = process
@@ -79,9 +77,6 @@ class HostCalls:
     @classmethod
     def table(cls) -> dict[str, int]:
         return {name: _signature_of(getattr(cls, name)) for name in CALLS}
-
-    def call(self, name: str, memory: GuestMemory, args: list[int]) -> int | Block:
-        return self.dispatch(name, int, getattr(HostCalls, name), self, memory, *args)
 
     def dispatch(self, name: str, failed: Callable[[ErrorCode], T], run: Callable[..., T], *args) -> T:
         """The one way into a system call, from a core module or a component: charges the
@@ -231,16 +226,14 @@ class HostCalls:
             raise InvalidArgument(f"pred takes 1 to {MAX_TOKENS_PER_PRED} tokens, got {n}")
         tokens = mem.read_i32s(ids_ptr, n)
         positions = mem.read_i32s(pos_ptr, n) if pos_ptr else None
-        if kind == KIND_SAMPLE and not arg:
-            want: Want = GREEDY  # the common case first: checked once, where GREEDY is made
-        elif kind == KIND_DISTRIBUTION:
-            want = DISTRIBUTION
+        if kind == KIND_DISTRIBUTION:
+            want: Want = Distribution()
         elif kind == KIND_TOPK:
             want = TopK(arg)
         elif kind == KIND_SAMPLE:
-            want = self._read_sampling(mem, arg)
+            want = self._read_sampling(mem, arg) if arg else GREEDY
         elif kind == KIND_GREEDY_EACH:
-            want = GREEDY_EACH
+            want = GreedyEach()
         else:
             raise InvalidArgument(f"pred kind must be 0 (distribution), 1 (top-k), 2 (sample) or 3 (greedy each), "
                                   f"got {kind}")
@@ -248,21 +241,14 @@ class HostCalls:
 
     def submit(self, kv: int, tokens: list[int], positions: list[int] | None, want: Want) -> int:
         """Queue a pred for the engine and return its ticket: the checks every pred passes,
-        from a core module or a component (component.py calls this too). `tokens` and
-        `positions` are lists of ints (read from the guest), one position per token."""
+        from a core module or a component (component.py calls this too)."""
         limits = self.process.limits
         if len(self.tickets) >= limits.preds_in_flight:
             raise LimitExceeded(f"at most {limits.preds_in_flight} preds in flight per process")
-        if limits.kv_pages is not None:
-            check_kv_pages(self.process, kv, len(tokens))
-        vocab = self.engine.loaded.config.vocab_size
-        if not tokens or min(tokens) < 0 or max(tokens) >= vocab:
-            raise InvalidArgument(f"pred needs 1 or more token ids, each in [0, {vocab})")
+        check_kv_pages(self.process, kv, len(tokens))
         if isinstance(want, Distribution):
             self._check_distribution_bytes()
-        elif want is not GREEDY:  # GREEDY was checked once, where it is made
-            validate_want(want, vocab)
-        future = self.engine.enqueue(self.kv, kv, tokens, positions, want)
+        future = self.engine.submit(self.kv, kv, tokens, positions, want)
         if kv in self.prefix_files:
             self.prefix_files[kv].ids.extend(tokens)
         ticket = self._next_ticket

@@ -295,8 +295,7 @@ class KVFS:
     def _grow(self, file: KvFile, n: int) -> list[int]:
         """Add `n` token slots at the end of the file (pages allocated, a shared partly filled
         last page copied first) and return their flat slot indices."""
-        if file.host_pages:
-            self.ensure_resident(file)
+        self.ensure_resident(file)
         page_size = self.pool.page_size
         copy_last = bool(file.length % page_size) and self.pool.refcount[file.pages[-1]] > 1
         needed = -(-(file.length + n) // page_size) - len(file.pages)

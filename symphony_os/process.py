@@ -174,7 +174,7 @@ class Process:
         """The result of a blocking call whose wait is over: `block.finish`, or, if that raises,
         `block.failed` of its error code (an unexpected exception is logged, INTERNAL)."""
         try:
-            return block.finish(self.memory or self.memory_for(call))
+            return block.finish(self.memory_for(call))
         except SymphonyError as error:
             return block.failed(error.code)
         except Exception:
@@ -222,9 +222,12 @@ class Process:
             self._renew_time_slice()
             resumed = True
         fiber = self._fiber
-        # A component's first poll after a blocking call only finishes that call (measured);
-        # the second runs the guest on. A core module's first poll runs on at once.
-        if not fiber.done and not fiber.poll() and not (resumed and self._blocked is None and fiber.poll()):
+        finished = fiber.poll()  # True at once for a fiber that is done
+        if not finished and resumed and self._blocked is None:
+            # A component's first poll after a blocking call only finishes that call (measured);
+            # the second runs the guest on. A core module's first poll runs on at once.
+            finished = fiber.poll()
+        if not finished:
             if self._blocked is not None:
                 return "waiting"
             # Async instantiation also returns to the poller before it is done.

@@ -67,7 +67,7 @@ class Worker:
         """Queue `process` for this worker's next round (any thread). Wake-ups from the batch
         driver (completed preds) are only queued: the driver starts the next round once it has
         delivered all of them, so one round takes every process the batch released."""
-        driving = threading.get_ident() == self.driver.driving_thread  # is_driving(), inline: once per pred
+        driving = self.driver.is_driving()
         with self._lock:
             queued = self._ready.get(process.pid)
             if queued is None or (queued[1] and not preempted):
@@ -201,7 +201,7 @@ def _handler(name: str, blocking: bool):
     def handle(call, args):
         process: Process = call.fiber.owner
         hostcalls = process.hostcalls
-        outcome = hostcalls.dispatch(name, int, method, hostcalls, process.memory or process.memory_for(call), *args)
+        outcome = hostcalls.dispatch(name, int, method, hostcalls, process.memory_for(call), *args)
         if isinstance(outcome, Block):
             return process.block_on(outcome, call)
         return Ready((outcome,)) if blocking else (outcome,)
