@@ -59,6 +59,17 @@ def default_num_pages(loaded: LoadedModel, page_size: int) -> int:
     return max(1, budget // bytes_per_page)
 
 
+def direct_decode(tokenizer):
+    """`tokenizer.decode`, or the Rust tokenizer's own decode where transformers' adds nothing
+    (a fast tokenizer without clean-up of spaces): the same text for 2-3 us less Python per
+    call, which LIPs streaming text pay on every token (measured: 7.4 against 9.5 us for 12
+    tokens, and the wrapper's objects are cold after each forward pass)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer.decode
+    return backend.decode
+
+
 class Engine:
     """Model + KV pool + KVFS + batch scheduler, driven by `step()` or a background thread."""
 
@@ -76,6 +87,7 @@ class Engine:
         self.backend = select_backend(loaded.model.device, attention)
         self.runner = ModelRunner(loaded.model, self.pool, self.backend)
         self._generator = torch.Generator().manual_seed(0)
+        self._decode = direct_decode(loaded.tokenizer)
         self._queue_mutex = threading.Lock()  # taken directly: a Condition's own `with` is Python code
         self._queue_lock = threading.Condition(self._queue_mutex)
         self._step_lock = threading.Lock()
@@ -96,7 +108,7 @@ class Engine:
         return self.loaded.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.loaded.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._decode(ids, skip_special_tokens=skip_special_tokens)
 
     def submit(self, session: KvSession, handle: int, tokens: list[int], positions: list[int] | None = None,
                want: Want = GREEDY) -> PredFuture:

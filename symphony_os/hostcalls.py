@@ -34,7 +34,7 @@ WASI_EBADF, WASI_EFAULT, WASI_EINVAL = 8, 21, 28
 T = TypeVar("T")
 
 
-@dataclass
+@dataclass(slots=True)
 class Block:
     """A blocking call: wait for `future` (None: for the process's inbox), then `finish(memory)`
     gives the call's result, writing outputs into guest memory on the process's own thread.
@@ -47,7 +47,7 @@ class Block:
     failed: Callable[[ErrorCode], Any] = int
 
 
-@dataclass
+@dataclass(slots=True)
 class Ticket:
     future: PredFuture
     want: Want

@@ -14,7 +14,7 @@ from .model import DecoderModel
 from .pool import KVPool
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceInput:
     """One sequence of a batch: its new tokens, their positions and slots, and its pages."""
 

@@ -66,7 +66,7 @@ Want = Distribution | TopK | Sample | GreedyEach
 GREEDY = Sample()  # the default: shared, since building a Sample costs more than using one
 
 
-@dataclass
+@dataclass(slots=True)
 class PredResult:
     """The answer to one `pred` request; only the fields its `want` asked for are set.
 

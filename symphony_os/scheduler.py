@@ -15,7 +15,7 @@ from .pred_future import PredFuture
 from .sampling import Want
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class PredRequest:
     """One `pred` call: append `tokens` (at `positions`) to `file`, then answer `want`.
 
@@ -38,7 +38,7 @@ class PredRequest:
         return len(self.tokens) - self.done
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     """Tokens [start, start + count) of a request, run in this batch; `is_last` when they end it."""
 
@@ -48,7 +48,7 @@ class ScheduledChunk:
     is_last: bool
 
 
-@dataclass
+@dataclass(slots=True)
 class BatchPlan:
     chunks: list[ScheduledChunk]
 

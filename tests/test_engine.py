@@ -251,3 +251,27 @@ def test_greedy_each_over_chunked_prefill_and_many_argmax_slices(tiny_llama):
         kv.close_all()
     assert results[0] == results[1] == greedy_step_by_step(whole, draft)
     assert chunked.stats().batches >= len(draft) // 5
+
+
+@pytest.mark.parametrize("source", ["stories260K", "bundled", "word", "clean-up"])
+def test_detokenize_is_transformers_decode(source, request, tiny_llama):
+    """detokenize takes the Rust tokenizer's decode directly when transformers adds nothing:
+    the text must stay transformers' own, special and byte tokens included."""
+    from transformers import AutoTokenizer
+
+    from symphony_os.engine import direct_decode
+    from symphony_os.loader import DEFAULT_MODEL_DIR
+
+    path = {"bundled": DEFAULT_MODEL_DIR, "word": tiny_llama, "clean-up": tiny_llama}.get(source) \
+        or request.getfixturevalue("stories_path")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if source == "clean-up":
+        tokenizer.clean_up_tokenization_spaces = True  # the wrapper's own step: it must stay in
+    decode = direct_decode(tokenizer)
+    assert (decode == tokenizer.decode) == (source == "clean-up")
+    generator = torch.Generator().manual_seed(0)
+    for length in (0, 1, 2, 5, 12, 40):
+        for _ in range(20):
+            ids = torch.randint(0, len(tokenizer), (length,), generator=generator).tolist()
+            for skip in (True, False):
+                assert decode(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip)
