@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from symphony_os.engine import Engine
+from symphony_os.gc_tuning import tune_gc
 from symphony_os.loader import load_model
 from symphony_os.random_model import build_random_model
 
@@ -95,6 +96,7 @@ def main() -> None:
                     token_budget=4096, max_batch_size=512)
     params = loaded.config.num_params
 
+    tune_gc()  # as a serving process runs (gc_tuning.py); both paths alike
     rows = []
     torch.manual_seed(1)
     for batch in batches:

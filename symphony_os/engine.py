@@ -12,6 +12,7 @@ import torch
 
 from .attention import select_backend
 from .errors import InvalidArgument, PoolExhausted, SymphonyError
+from .gc_tuning import tune_gc, untune_gc
 from .kvfs import KVFS, KvSession
 from .loader import LoadedModel, load_model
 from .model_runner import ModelRunner, SequenceInput
@@ -262,9 +263,11 @@ class Engine:
             pass
 
     def start(self) -> None:
-        """Run batches on a background thread until `stop()`."""
+        """Run batches on a background thread until `stop()`; the GC is tuned for serving
+        meanwhile (gc_tuning.py). A caller driving `step()` itself can use `serving_gc()`."""
         if self._thread is not None:
             return
+        tune_gc()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="symphony-batch", daemon=True)
         self._thread.start()
@@ -286,3 +289,4 @@ class Engine:
             self._queue_lock.notify_all()
         self._thread.join()
         self._thread = None
+        untune_gc()

@@ -8,7 +8,6 @@ back on their worker's ready queue.
 """
 from __future__ import annotations
 
-import gc
 import threading
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ import wasmtime
 from .component import ComponentLinker, ComponentProcess
 from .engine import Engine
 from .fiber import AsyncLinker, EpochTicker, Ready, make_async_engine
+from .gc_tuning import tune_gc, untune_gc
 from .hostcalls import Block, HostCalls
 from .limits import Watchdog
 from .process import Process, ProcessLimits
@@ -25,8 +25,7 @@ from .program import Program, load_program, load_program_file
 from .tools import ToolRegistry, default_tools
 
 BLOCKING_CALLS = ("pred_wait", "pred", "recv")
-EPOCH_INTERVAL_S = 0.01
-DEFAULT_GC_THRESHOLD = gc.get_threshold()  # one epoch tick: a guest's time slice is a multiple of this
+EPOCH_INTERVAL_S = 0.01  # one epoch tick: a guest's time slice is a multiple of this
 
 
 class Worker:
@@ -207,26 +206,6 @@ def _handler(name: str, blocking: bool):
         return Ready((outcome,)) if blocking else (outcome,)
 
     return handle
-
-
-def tune_gc() -> None:
-    """Keep Python's cyclic GC off the hot path. Everything loaded so far (torch, transformers,
-    the model: ~340k objects, 240 ms per full collection here) is frozen out of collections,
-    and young collections run less often. Measured with 256 processes: GC took 320 ms of a
-    1.07 s run (139 us per process per round), 60 ms after freezing. Garbage is collected
-    first: frozen, the cycles of an earlier runtime's ended processes (each holding a store's
-    address-space reservation) would never be freed, and a program that runs runtime after
-    runtime ran out of memory mappings (bench/hostcall.py: "Thread creation failed")."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(20_000, 20, 20)
-
-
-def untune_gc() -> None:
-    """Undo tune_gc (frozen objects are never collected, not even at exit, where some
-    extension modules then report leaks)."""
-    gc.unfreeze()
-    gc.set_threshold(*DEFAULT_GC_THRESHOLD)
 
 
 class Runtime:

@@ -1,0 +1,35 @@
+"""The cyclic GC kept off the serving path: tuned while something serves, restored after."""
+import gc
+
+from symphony_os.gc_tuning import SERVING_GC_THRESHOLD, serving_gc, tune_gc, untune_gc
+
+
+def gc_state():
+    return gc.get_threshold(), gc.get_freeze_count()
+
+
+def test_nested_users_restore_the_state_when_the_last_leaves():
+    before = gc_state()  # the defaults, unless an earlier test left a runtime serving
+    tune_gc()
+    frozen = gc.get_freeze_count()
+    assert frozen > 0 and gc.get_threshold() == SERVING_GC_THRESHOLD
+    with serving_gc():  # a second user: nothing re-collected or re-frozen
+        assert gc_state() == (SERVING_GC_THRESHOLD, frozen)
+    assert gc_state() == (SERVING_GC_THRESHOLD, frozen)
+    untune_gc()
+    assert gc_state()[0] == before[0]
+    if before[1] == 0:
+        assert gc.get_freeze_count() == 0
+
+
+def test_engine_loop_serves_with_tuned_gc(tiny_engine):
+    before = gc_state()
+    tiny_engine.start()
+    try:
+        assert gc.get_threshold() == SERVING_GC_THRESHOLD and gc.get_freeze_count() > 0
+        kv = tiny_engine.session()
+        assert tiny_engine.pred(kv, kv.create(), [1, 2, 3]).token is not None
+        kv.close_all()
+    finally:
+        tiny_engine.stop()
+    assert gc_state()[0] == before[0]
