@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable
 from .tenants import QuotaExceeded, Tenant
 
 if TYPE_CHECKING:
-    from .server import ServerState
+    from .server_state import ServerState
 
 HEADER = struct.Struct("<iiiiffiiQ")
 FRAME_PROMPT, FRAME_TOKEN, FRAME_FINISH = 1, 2, 3

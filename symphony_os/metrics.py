@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from .process import ProcessState
 
 if TYPE_CHECKING:
-    from .server import ServerState
+    from .server_state import ServerState
 
 
 def _metric(lines: list[str], name: str, kind: str, help_text: str, samples) -> None:

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .completion import (MAX_BRANCHES, MAX_STOPS, MAX_TOP_LOGPROBS, BranchText, CompletionFailed,
                          CompletionRequest, FinishEvent, PromptInfo, TokenEvent, run_completion)
-from .server import ServerState, tenant_of
+from .server_state import ServerState, tenant_of
 from .tenants import QuotaExceeded, Tenant
 
 router = APIRouter(prefix="/v1", tags=["openai"])

@@ -22,12 +22,10 @@ import contextlib
 import logging
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
 
 import msgpack
-from fastapi import Depends, FastAPI, HTTPException, Query, Request, WebSocket
+from fastapi import FastAPI, HTTPException, Query, Request, WebSocket
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 
@@ -35,72 +33,20 @@ from .builtin_lips import builtin_lip
 from .completion import CompletionCounters
 from .engine import Engine
 from .errors import FileNotFound, InputClosed, InvalidArgument, LimitExceeded, PermissionDenied
-from .limits import ProcessLimits
 from .logs import event, redact_tokens_in_uvicorn_logs
 from .metrics import render_metrics
+from .openai_api import router as openai_router
 from .process_table import AlreadyAttached, FrameBuffer, ProcessTable, ServedProcess
-from .program import MAX_MODULE_BYTES, Program, ProgramError
+from .program import ProgramError
 from .program_store import ProgramStore, StoredProgram
 from .runtime import Runtime
+from .server_state import ServerConfig, ServerState, StateDep, TenantDep, bearer_token
 from .tenants import QuotaExceeded, Tenant, Tenants
 
 log = logging.getLogger("symphony.server")
 
 MAX_ARGS = 256
 MAX_ARG_BYTES = 64 * 1024
-MAX_CONCURRENT_COMPILES = 2
-
-
-@dataclass
-class ServerConfig:
-    grace_s: float = 30.0  # a vanished client's process is killed after this
-    retention_s: float = 600.0  # an ended detached process is listed this long
-    data_dir: Path | None = None  # uploaded programs (None: a temporary directory)
-    max_upload_bytes: int = MAX_MODULE_BYTES
-    workers: int = 1  # scheduler threads polling LIP processes
-    limits: ProcessLimits = ProcessLimits()  # each process's, before its tenant's quotas (tenants.py)
-    compile_time_s: float = 30.0  # an upload whose compilation takes longer is refused
-
-
-@dataclass
-class ServerState:
-    """What the handlers share; built when the app starts."""
-
-    engine: Engine
-    tenants: Tenants
-    config: ServerConfig
-    runtime: Runtime
-    store: ProgramStore
-    table: ProcessTable
-    completion_program: Program
-    completion_entry: StoredProgram
-    started_at: float
-    completions: CompletionCounters
-    # Uploads compiling at once (each takes a thread and a CPU core); more wait their turn.
-    compiles: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_CONCURRENT_COMPILES))
-
-
-def state_of(request: Request) -> ServerState:
-    return request.app.state.symphony
-
-
-def bearer_token(header: str | None) -> str | None:
-    if header and header[:7].lower() == "bearer ":
-        return header[7:].strip()
-    return None
-
-
-def tenant_of(request: Request) -> Tenant:
-    tenant = state_of(request).tenants.authenticate(bearer_token(request.headers.get("authorization")))
-    if tenant is None:
-        raise HTTPException(401, "missing or unknown bearer token", headers={"WWW-Authenticate": "Bearer"})
-    return tenant
-
-
-TenantDep = Annotated[Tenant, Depends(tenant_of)]
-StateDep = Annotated[ServerState, Depends(state_of)]
-
-
 class LaunchRequest(BaseModel):
     program: str = Field(description="sha256 of a program this tenant uploaded")
     args: list[str] = Field(default_factory=list, max_length=MAX_ARGS)
@@ -129,7 +75,6 @@ def _file_json(stat, tenant: str) -> dict:
 
 def create_app(engine: Engine, tenants: Tenants | None = None, config: ServerConfig | None = None) -> FastAPI:
     """The ASGI app; the runtime starts and stops with it (lifespan)."""
-    from .openai_api import router as openai_router
 
     tenants = tenants or Tenants.single()
     config = config or ServerConfig()

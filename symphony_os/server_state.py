@@ -1,0 +1,71 @@
+"""What the server's handlers share (server.py and openai_api.py): its configuration, its state,
+and the request dependencies that find them and the calling tenant."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request
+
+from .completion import CompletionCounters
+from .engine import Engine
+from .limits import ProcessLimits
+from .process_table import ProcessTable
+from .program import MAX_MODULE_BYTES, Program
+from .program_store import ProgramStore, StoredProgram
+from .runtime import Runtime
+from .tenants import Tenant, Tenants
+
+MAX_CONCURRENT_COMPILES = 2
+
+
+@dataclass
+class ServerConfig:
+    grace_s: float = 30.0  # a vanished client's process is killed after this
+    retention_s: float = 600.0  # an ended detached process is listed this long
+    data_dir: Path | None = None  # uploaded programs (None: a temporary directory)
+    max_upload_bytes: int = MAX_MODULE_BYTES
+    workers: int = 1  # scheduler threads polling LIP processes
+    limits: ProcessLimits = ProcessLimits()  # each process's, before its tenant's quotas (tenants.py)
+    compile_time_s: float = 30.0  # an upload whose compilation takes longer is refused
+
+
+@dataclass
+class ServerState:
+    """What the handlers share; built when the app starts."""
+
+    engine: Engine
+    tenants: Tenants
+    config: ServerConfig
+    runtime: Runtime
+    store: ProgramStore
+    table: ProcessTable
+    completion_program: Program
+    completion_entry: StoredProgram
+    started_at: float
+    completions: CompletionCounters
+    # Uploads compiling at once (each takes a thread and a CPU core); more wait their turn.
+    compiles: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_CONCURRENT_COMPILES))
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.symphony
+
+
+def bearer_token(header: str | None) -> str | None:
+    if header and header[:7].lower() == "bearer ":
+        return header[7:].strip()
+    return None
+
+
+def tenant_of(request: Request) -> Tenant:
+    tenant = state_of(request).tenants.authenticate(bearer_token(request.headers.get("authorization")))
+    if tenant is None:
+        raise HTTPException(401, "missing or unknown bearer token", headers={"WWW-Authenticate": "Bearer"})
+    return tenant
+
+
+TenantDep = Annotated[Tenant, Depends(tenant_of)]
+StateDep = Annotated[ServerState, Depends(state_of)]
