@@ -76,6 +76,11 @@ def _address(pointer) -> int:
     return ctypes.cast(pointer, _vp).value or 0
 
 
+def context_address(store: wasmtime.Store) -> int:
+    """The address of `store`'s context, as the raw prototypes here take it."""
+    return _address(store._context())
+
+
 def memory_location(context: int, memory: ffi.wasmtime_memory_t) -> tuple[int, int]:
     """(base address, size in bytes) of `memory` in the store whose context is at `context`."""
     handle = ctypes.byref(memory)
@@ -103,14 +108,14 @@ def set_time_slice(store: wasmtime.Store, epoch_ticks: int) -> None:
     """Make guests in `store` yield to `Fiber.poll()` (which then returns False) after running
     for `epoch_ticks` increments of the engine's epoch, instead of trapping."""
     store.set_epoch_deadline(epoch_ticks)
-    _epoch_deadline_async_yield_and_update(_address(store._context()), epoch_ticks)
+    _epoch_deadline_async_yield_and_update(context_address(store), epoch_ticks)
 
 
 def time_slice_renewer(store: wasmtime.Store, epoch_ticks: int) -> Callable[[], None]:
     """A function that gives `store`'s guests a fresh slice of `epoch_ticks` from now. Call it
     before resuming a guest that was blocked: its old deadline passed while it waited, and it
     would otherwise yield at its first loop back-edge (a whole extra poll per resume)."""
-    return functools.partial(_set_epoch_deadline, _address(store._context()), epoch_ticks)
+    return functools.partial(_set_epoch_deadline, context_address(store), epoch_ticks)
 
 
 class PeriodicThread:

@@ -8,8 +8,8 @@ batch): 17-20 us untuned against 8 tuned at 256 requests in flight, 32-35 agains
 with 256 LIP processes GC took 320 ms of a 1.07 s run, 60 ms tuned.
 
 `serving_gc()` (a context manager) or `tune_gc()` / `untune_gc()` around serving: what is loaded
-is frozen out of collections and young collections run less often. Uses nest (a runtime and
-the engine's own loop may both serve); the last one out restores the defaults.
+is frozen out of collections and young collections run less often. Calls nest (a runtime
+and the engine's own loop may both serve): the last `untune_gc()` restores the defaults.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import torch
 import wasmtime
 
 from .errors import BadPointer
-from .fiber import memory_location
+from .fiber import context_address, memory_location
 
 MAX_I32 = 2**31 - 1
 
@@ -94,5 +94,5 @@ class GuestMemory:
 def memory_locator(store: wasmtime.Store, memory: wasmtime.Memory) -> Callable[[], tuple[int, int]]:
     """A `locate` for a known memory export: two ctypes calls, instead of wasmtime-py's
     `data_ptr`/`data_len` wrappers or a lookup of the export through the caller each time."""
-    context = ctypes.cast(store._context(), ctypes.c_void_p).value
+    context = context_address(store)
     return lambda: memory_location(context, memory._memory)

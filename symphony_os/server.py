@@ -47,6 +47,8 @@ log = logging.getLogger("symphony.server")
 
 MAX_ARGS = 256
 MAX_ARG_BYTES = 64 * 1024
+
+
 class LaunchRequest(BaseModel):
     program: str = Field(description="sha256 of a program this tenant uploaded")
     args: list[str] = Field(default_factory=list, max_length=MAX_ARGS)
@@ -75,7 +77,6 @@ def _file_json(stat, tenant: str) -> dict:
 
 def create_app(engine: Engine, tenants: Tenants | None = None, config: ServerConfig | None = None) -> FastAPI:
     """The ASGI app; the runtime starts and stops with it (lifespan)."""
-
     tenants = tenants or Tenants.single()
     config = config or ServerConfig()
     redact_tokens_in_uvicorn_logs()
