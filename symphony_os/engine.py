@@ -119,13 +119,17 @@ class Engine:
         tokens = list(tokens)
         if not tokens:
             raise InvalidArgument("pred needs at least one token")
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
+        if len(tokens) == 1:  # a decode step: no generator to set up
+            if not isinstance(tokens[0], int) or not 0 <= tokens[0] < vocab:
+                raise InvalidArgument(f"token ids must be integers in [0, {vocab})")
+        elif any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
             raise InvalidArgument(f"token ids must be integers in [0, {vocab})")
         if positions is not None:
             positions = list(positions)
             if len(positions) != len(tokens):
                 raise InvalidArgument(f"{len(tokens)} tokens but {len(positions)} positions")
-        validate_want(want, vocab)
+        if want is not GREEDY:
+            validate_want(want, vocab)
         with self.kvfs.lock:
             file = session.file_of(handle, write=True)
             self.kvfs.acquire(file)
@@ -180,7 +184,8 @@ class Engine:
                         if request.positions is None:
                             start = file.next_position
                             request.positions = list(range(start, start + len(request.tokens)))
-                    positions = request.positions[chunk.start:chunk.start + chunk.count]
+                    whole = chunk.count == len(request.tokens)  # no slices to make
+                    positions = request.positions if whole else request.positions[chunk.start:chunk.start + chunk.count]
                     slots = self.kvfs.reserve_slots(file, positions)
                 except PoolExhausted as error:
                     if len(plan.chunks) == 1:
@@ -192,7 +197,8 @@ class Engine:
                 runnable.append(chunk)
                 each = isinstance(request.want, GreedyEach)
                 seqs.append(SequenceInput(
-                    tokens=request.tokens[chunk.start:chunk.start + chunk.count], positions=positions,
+                    tokens=request.tokens if whole else request.tokens[chunk.start:chunk.start + chunk.count],
+                    positions=positions,
                     slots=slots, page_table=list(self.kvfs.page_table(file)), context_len=file.length,
                     wants_logits=chunk.is_last and not each, greedy_each=each,
                 ))

@@ -19,6 +19,9 @@ ctypes layer (`wasmtime._ffi`). The C API's rules, and what breaking them did:
   returns without a continuation panics the process). Every callback here catches everything
   and turns it into a guest trap. wasmtime-py's own callbacks park exceptions in one global
   slot shared by all threads, so none of them is used here.
+- A waiting call's continuation, which wasmtime calls on every poll, is C code (strlen over a
+  flag byte that `Pending.complete` raises once the results are written), not a callback into
+  Python: the one callback per blocking call is the call itself.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import ctypes
 import functools
 import itertools
 import struct
+import sys
 import threading
 from typing import Callable, Sequence, Union
 
@@ -170,21 +174,26 @@ class Pending:
     poll. Both may be called from any thread. `abandoned` turns True if the guest's call was
     dropped (its fiber closed) before an answer came, so the work can be skipped."""
 
-    __slots__ = ("values", "failure", "done", "abandoned")
+    __slots__ = ("values", "failure", "done", "abandoned", "waiting_key")
 
     def __init__(self):
         self.values: Sequence[Value] = ()
         self.failure: str | None = None
         self.abandoned = False
         self.done = False
+        self.waiting_key = 0  # set while a core guest's call waits on it (fiber.py's own)
 
     def complete(self, values: Sequence[Value] = ()) -> None:
         self.values = values
         self.done = True  # last: the poller reads `done` first
+        if self.waiting_key:
+            _deliver(self.waiting_key)
 
     def fail(self, message: str) -> None:
         self.failure = message
         self.done = True
+        if self.waiting_key:
+            _deliver(self.waiting_key)
 
 
 HostResult = Union[Ready, Pending]
@@ -221,9 +230,15 @@ class HostCall:
         return memory_location(self._context, self._memory)
 
 
-# A wasmtime_val_t is 32 bytes: the kind byte, then the value at offset 8. Value arrays are read
-# and written with one struct call each, through a ctypes array at their address (ctypes' own
-# field access cost ~1 us per value; string_at and memmove, foreign calls, 0.4-0.6 us each).
+# Native memory that wasmtime hands us by address (value arrays, continuation and trap slots)
+# is read and written with one struct call each, at that address in this view of the whole
+# address space: no ctypes object per access (a ctypes array made with from_address for each
+# cost 0.11 us more per access; ctypes' own field access ~1 us per value; string_at and memmove,
+# foreign calls, 0.4-0.6 us each). Like from_address, it trusts the address it is given.
+_NATIVE = memoryview((ctypes.c_char * sys.maxsize).from_address(0)).cast("B")
+_ADDRESS = struct.Struct("<Q")
+
+# A wasmtime_val_t is 32 bytes: the kind byte, then the value at offset 8.
 _VALUE_BYTES = 32
 _VALUE_CODE = {0: "i20x", 1: "q16x", 2: "f20x", 3: "d16x"}  # kind -> struct code and padding
 
@@ -231,25 +246,24 @@ _VALUE_CODE = {0: "i20x", 1: "q16x", 2: "f20x", 3: "d16x"}  # kind -> struct cod
 class _ValueLayout:
     """How a list of values of the given kinds sits in an array of wasmtime_val_t."""
 
-    __slots__ = ("kinds", "_array", "_reader", "_writer")
+    __slots__ = ("kinds", "_reader", "_writer")
 
     def __init__(self, kinds: tuple[int, ...]):
         self.kinds = kinds
-        self._array = ctypes.c_char * (_VALUE_BYTES * len(kinds))
         self._reader = struct.Struct("<" + "".join("8x" + _VALUE_CODE[kind] for kind in kinds))
         self._writer = struct.Struct("<" + "".join("B7x" + _VALUE_CODE[kind] for kind in kinds))
 
     def read(self, address: int) -> tuple[Value, ...]:
-        return self._reader.unpack_from(self._array.from_address(address)) if self.kinds else ()
+        return self._reader.unpack_from(_NATIVE, address) if self.kinds else ()
 
     def write(self, address: int, values: Sequence[Value], what: str) -> None:
         if len(values) != len(self.kinds):
             raise ValueError(f"{what} takes {len(self.kinds)} values, got {len(values)}")
         if len(values) == 1:
-            self._writer.pack_into(self._array.from_address(address), 0, self.kinds[0], values[0])
+            self._writer.pack_into(_NATIVE, address, self.kinds[0], values[0])
         elif values:
             fields = [field for pair in zip(self.kinds, values) for field in pair]
-            self._writer.pack_into(self._array.from_address(address), 0, *fields)
+            self._writer.pack_into(_NATIVE, address, *fields)
 
 
 class _HostFunction:
@@ -266,16 +280,19 @@ class _HostFunction:
 class _Waiting:
     """A suspended host call: where its results or trap go once its Pending is done. The
     result and trap slots (addresses) belong to wasmtime and stay valid until the
-    continuation finishes."""
+    continuation finishes. `flag`: the byte the continuation reads (see `_FLAG_CONTINUATION`),
+    None for a continuation that calls back into Python instead."""
 
-    __slots__ = ("pending", "call", "function", "results", "trap_slot")
+    __slots__ = ("pending", "call", "function", "results", "trap_slot", "flag")
 
-    def __init__(self, pending: Pending, call: HostCall, function: _HostFunction, results: int, trap_slot: int):
+    def __init__(self, pending: Pending, call: HostCall, function: _HostFunction, results: int, trap_slot: int,
+                 flag: memoryview | None = None):
         self.pending = pending
         self.call = call
         self.function = function
         self.results = results
         self.trap_slot = trap_slot
+        self.flag = flag
 
 
 # Callback data crosses C as integer keys into these maps (never Python object pointers);
@@ -326,12 +343,16 @@ def _trap_for(function: _HostFunction | None, error: BaseException) -> int:
         fiber.error = error
         if not isinstance(error, Exception):
             fiber._deferred = error
+    return _new_trap(_failure_message(function, error))
+
+
+def _failure_message(function: _HostFunction | None, error: BaseException) -> str:
     name = function.qualified_name if function is not None else "a host function"
     try:
         detail = f"{type(error).__name__}: {error}"
     except BaseException:  # a broken __str__ must not escape either
         detail = type(error).__name__
-    return _new_trap(f"{name} failed: {detail}")
+    return f"{name} failed: {detail}"
 
 
 # Our callback prototypes: wasmtime's, with every pointer as a plain integer (see raw_prototype).
@@ -358,24 +379,25 @@ def _call_sync(key, caller, args, nargs, results, nresults):
             call._caller = None
 
 
-@_CONTINUATION_CALLBACK
-def _continue_ready(env) -> bool:
-    """The continuation of a call answered at once: results or trap are already written."""
-    return True
-
-
-_READY = (_address(_continue_ready), 0, 0)
-
-
-_CONTINUATION_ARRAY = ctypes.c_char * _CONTINUATION.size
+# The continuation of a call waiting inside a fiber we poll is C's own strlen over a 2-byte flag
+# of the fiber's: wasmtime calls a continuation on every poll of the waiting guest, and strlen
+# answers 0 (waiting) or 1 (done: results written) without entering Python. `_deliver` raises the
+# flag when the Pending is done. Two callbacks into Python fewer per wait (one that answers
+# "not yet" right after the handler returns, one that answers "done"); the second byte stays
+# 0, so strlen returns exactly 0 or 1, the values of a C bool.
+_FLAG_CONTINUATION = _address(ctypes.CDLL(None).strlen)
+# The continuation of a call answered at once (results or trap already written): a flag that
+# is always raised.
+_ALWAYS_DONE = ctypes.create_string_buffer(b"\x01", 2)
+_READY = (_FLAG_CONTINUATION, ctypes.addressof(_ALWAYS_DONE), 0)
 
 
 def _set_continuation(address: int, fields: tuple[int, int, int]) -> None:
-    _CONTINUATION.pack_into(_CONTINUATION_ARRAY.from_address(address), 0, *fields)
+    _CONTINUATION.pack_into(_NATIVE, address, *fields)
 
 
 def _set_trap(trap_slot: int, trap: int) -> None:
-    ctypes.c_void_p.from_address(trap_slot).value = trap
+    _ADDRESS.pack_into(_NATIVE, trap_slot, trap)
 
 
 @_ASYNC_CALLBACK
@@ -383,19 +405,25 @@ def _call_async(key, caller, args, nargs, results, nresults, trap_slot, continua
     """Runs a `define_async` handler and hands wasmtime a continuation: done now (results or
     trap already written) or a wait on a Pending. Never raises."""
     # First, so that no failure below can leave wasmtime without a continuation (it panics).
-    _set_continuation(continuation, _READY)
+    _CONTINUATION.pack_into(_NATIVE, continuation, *_READY)
     function, call = _FUNCTIONS.get(key), None
     try:
         call = HostCall(caller, _polling.fiber)
         outcome = function.handler(call, function.params.read(args))
         if isinstance(outcome, Pending):
             waiting_key = next(_next_key)
-            _WAITING[waiting_key] = _Waiting(outcome, call, function, results, trap_slot)
             fiber = call.fiber
             if fiber is not None:  # the fiber forgets the wait when it ends: no finalizer call
+                flag = fiber._flag
+                flag[0] = 0
+                _WAITING[waiting_key] = _Waiting(outcome, call, function, results, trap_slot, flag)
                 fiber._waiting_key = waiting_key
-                _set_continuation(continuation, (_WAITING_CALLBACK, waiting_key, 0))
+                _CONTINUATION.pack_into(_NATIVE, continuation, _FLAG_CONTINUATION, fiber._flag_address, 0)
+                outcome.waiting_key = waiting_key
+                if outcome.done:  # answered already (by another thread): deliver it here
+                    _deliver(waiting_key)
             else:
+                _WAITING[waiting_key] = _Waiting(outcome, call, function, results, trap_slot)
                 _set_continuation(continuation, (_WAITING_CALLBACK, waiting_key, _WAITING_FINALIZER))
             call.fiber = None
             call = None  # stays valid while the guest waits
@@ -427,6 +455,30 @@ def _continue_waiting(waiting_key) -> bool:
         _set_trap(waiting.trap_slot, _trap_for(waiting.function, error))
     _forget_waiting(waiting_key)
     return True
+
+
+def _deliver(waiting_key: int) -> None:
+    """Write a done Pending's results (or trap) where wasmtime expects them, then raise the
+    flag its continuation reads. Once per wait: whoever pops the entry first delivers (a
+    Pending answered by another thread while its handler was still registering it)."""
+    waiting = _WAITING.pop(waiting_key, None)
+    if waiting is None:
+        return  # delivered already, or the fiber was closed: the answer has nowhere to go
+    pending, function = waiting.pending, waiting.function
+    deferred = None
+    try:
+        if pending.failure is not None:
+            _set_trap(waiting.trap_slot, _new_trap(pending.failure))
+        else:
+            function.results.write(waiting.results, pending.values, function.qualified_name)
+    except BaseException as error:
+        _set_trap(waiting.trap_slot, _new_trap(_failure_message(function, error)))
+        if not isinstance(error, Exception):
+            deferred = error
+    waiting.call._caller = None
+    waiting.flag[0] = 1  # last: wasmtime reads the results once it sees the flag
+    if deferred is not None:
+        raise deferred
 
 
 def _forget_waiting(waiting_key: int) -> None:
@@ -563,6 +615,8 @@ class Fiber:
         self.error: BaseException | None = None
         self._deferred: BaseException | None = None
         self._waiting_key = 0  # the host call it waits in, while it waits (a key of _WAITING)
+        flag = ctypes.create_string_buffer(2)  # see _FLAG_CONTINUATION
+        self._flag, self._flag_address = memoryview(flag).cast("B"), ctypes.addressof(flag)
         self._store = store
         self._collect = collect
         self._keep = keep  # what the future points into; see the module docstring

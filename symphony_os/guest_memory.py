@@ -19,6 +19,7 @@ from .errors import BadPointer
 from .fiber import context_address, memory_location
 
 MAX_I32 = 2**31 - 1
+_I32 = struct.Struct("<i")
 
 
 class GuestMemory:
@@ -73,6 +74,8 @@ class GuestMemory:
         if count < 0 or count > MAX_I32 // 4:
             raise BadPointer(f"bad element count {count}")
         self.check(ptr, 4 * count)
+        if count == 1:  # a decode step's token
+            return list(_I32.unpack_from(self._view, ptr))
         return list(struct.unpack_from(f"<{count}i", self._view, ptr)) if count else []
 
     def write_i32s(self, ptr: int, values: list[int]) -> None:

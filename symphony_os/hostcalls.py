@@ -222,26 +222,39 @@ class HostCalls:
     # ---- inference ----
 
     def pred_submit(self, mem: GuestMemory, kv: int, ids_ptr: int, pos_ptr: int, n: int, kind: int, arg: int) -> int:
+        return self.submit(kv, *self._pred_request(mem, ids_ptr, pos_ptr, n, kind, arg))
+
+    def _pred_request(self, mem: GuestMemory, ids_ptr: int, pos_ptr: int, n: int, kind: int,
+                      arg: int) -> tuple[list[int], list[int] | None, Want]:
+        """The tokens, positions and wanted output of a pred, read from the guest's arguments."""
         if not 0 < n <= MAX_TOKENS_PER_PRED:
             raise InvalidArgument(f"pred takes 1 to {MAX_TOKENS_PER_PRED} tokens, got {n}")
         tokens = mem.read_i32s(ids_ptr, n)
         positions = mem.read_i32s(pos_ptr, n) if pos_ptr else None
-        if kind == KIND_DISTRIBUTION:
-            want: Want = Distribution()
+        if kind == KIND_SAMPLE:
+            want: Want = self._read_sampling(mem, arg) if arg else GREEDY
+        elif kind == KIND_DISTRIBUTION:
+            want = Distribution()
         elif kind == KIND_TOPK:
             want = TopK(arg)
-        elif kind == KIND_SAMPLE:
-            want = self._read_sampling(mem, arg) if arg else GREEDY
         elif kind == KIND_GREEDY_EACH:
             want = GreedyEach()
         else:
             raise InvalidArgument(f"pred kind must be 0 (distribution), 1 (top-k), 2 (sample) or 3 (greedy each), "
                                   f"got {kind}")
-        return self.submit(kv, tokens, positions, want)
+        return tokens, positions, want
 
     def submit(self, kv: int, tokens: list[int], positions: list[int] | None, want: Want) -> int:
-        """Queue a pred for the engine and return its ticket: the checks every pred passes,
-        from a core module or a component (component.py calls this too)."""
+        """Queue a pred for the engine and return its ticket (component.py calls this too)."""
+        future = self._queue(kv, tokens, positions, want)
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        self.tickets[ticket] = Ticket(future, want)
+        return ticket
+
+    def _queue(self, kv: int, tokens: list[int], positions: list[int] | None, want: Want) -> PredFuture:
+        """The checks every pred passes (the one in flight in a blocking `pred` counts among
+        the preds in flight and distributions held), then the engine's queue."""
         limits = self.process.limits
         if len(self.tickets) >= limits.preds_in_flight:
             raise LimitExceeded(f"at most {limits.preds_in_flight} preds in flight per process")
@@ -251,10 +264,7 @@ class HostCalls:
         future = self.engine.submit(self.kv, kv, tokens, positions, want)
         if kv in self.prefix_files:
             self.prefix_files[kv].ids.extend(tokens)
-        ticket = self._next_ticket
-        self._next_ticket += 1
-        self.tickets[ticket] = Ticket(future, want)
-        return ticket
+        return future
 
     def _check_distribution_bytes(self) -> None:
         """Refuse one more distribution past the process's `distribution_bytes`: those of the
@@ -286,59 +296,72 @@ class HostCalls:
         entry = self.tickets.get(ticket)
         if entry is None:
             raise BadHandle(f"pred ticket {ticket} is not in flight in this process")
-
         if cap < 0:
             raise InvalidArgument("cap must be >= 0")
 
         def finish(mem: GuestMemory) -> int:
             mem.check(out_ptr, 4 * cap)
-            try:
-                result = entry.future.result()
-            except SymphonyError as error:
-                del self.tickets[ticket]
-                return self._error_code(error)
-            want = entry.want
-            if isinstance(want, Distribution):
-                vocab = result.probs.numel()
-                if cap < vocab:
-                    return int(ErrorCode.BUFFER_TOO_SMALL)  # the ticket stays: call again
-                mem.write_tensor(out_ptr, result.probs)
-                del self.tickets[ticket]
-                return vocab
-            if isinstance(want, TopK):
-                k = len(result.top_ids)
-                if cap < 2 * k:
-                    return int(ErrorCode.BUFFER_TOO_SMALL)
-                mem.write(out_ptr, struct.pack(f"<{k}i{k}f", *result.top_ids, *result.top_logprobs))
-                del self.tickets[ticket]
-                return k
-            if isinstance(want, GreedyEach):
-                n = len(result.tokens)
-                if cap < n:
-                    return int(ErrorCode.BUFFER_TOO_SMALL)
-                mem.write_i32s(out_ptr, result.tokens)
-                del self.tickets[ticket]
-                return n
+            answer = self._answer(mem, entry.future, entry.want, out_ptr, cap)
+            if answer is None:
+                return int(ErrorCode.BUFFER_TOO_SMALL)  # the ticket stays: call again
             del self.tickets[ticket]
-            return result.token
+            return answer
 
         if entry.future.done():
             return finish(mem)
         return Block("blocked-on-pred", entry.future, finish)
 
+    def _answer(self, mem: GuestMemory, future: PredFuture, want: Want, out_ptr: int, cap: int) -> int | None:
+        """Write a completed pred's output at out_ptr (room for `cap` values); its return value
+        (the token, or the count written), an error code, or None if `cap` is too small."""
+        try:
+            result = future.result()
+        except SymphonyError as error:
+            return self._error_code(error)
+        if isinstance(want, Sample):
+            return result.token
+        if isinstance(want, Distribution):
+            vocab = result.probs.numel()
+            if cap < vocab:
+                return None
+            mem.write_tensor(out_ptr, result.probs)
+            return vocab
+        if isinstance(want, TopK):
+            k = len(result.top_ids)
+            if cap < 2 * k:
+                return None
+            mem.write(out_ptr, struct.pack(f"<{k}i{k}f", *result.top_ids, *result.top_logprobs))
+            return k
+        n = len(result.tokens)  # GreedyEach
+        if cap < n:
+            return None
+        mem.write_i32s(out_ptr, result.tokens)
+        return n
+
     def pred(self, mem: GuestMemory, kv: int, ids_ptr: int, pos_ptr: int, n: int, kind: int, arg: int,
              out_ptr: int, cap: int) -> int | Block:
         """pred_submit and pred_wait in one blocking call (the paper's `pred`): one host call per
-        token instead of two. The output's room is checked before anything is queued, so an
-        error leaves nothing in flight (there is no ticket to call again with)."""
+        token instead of two, and no ticket. The output's room is checked before anything is
+        queued, so an error leaves nothing in flight (there is no ticket to call again with);
+        a memory never shrinks, so the room is still there when the answer comes."""
         if cap < 0:
             raise InvalidArgument("cap must be >= 0")
-        needed = {KIND_DISTRIBUTION: self.engine.loaded.config.vocab_size, KIND_TOPK: 2 * arg,
-                  KIND_GREEDY_EACH: n}.get(kind, 0)
-        if cap < needed:
-            raise BufferTooSmall(f"pred of kind {kind} writes {needed} values, cap is {cap}")
+        if kind != KIND_SAMPLE:
+            needed = {KIND_DISTRIBUTION: self.engine.loaded.config.vocab_size, KIND_TOPK: 2 * arg,
+                      KIND_GREEDY_EACH: n}.get(kind, 0)
+            if cap < needed:
+                raise BufferTooSmall(f"pred of kind {kind} writes {needed} values, cap is {cap}")
         mem.check(out_ptr, 4 * cap)
-        return self.pred_wait(mem, self.pred_submit(mem, kv, ids_ptr, pos_ptr, n, kind, arg), out_ptr, cap)
+        tokens, positions, want = self._pred_request(mem, ids_ptr, pos_ptr, n, kind, arg)
+        future = self._queue(kv, tokens, positions, want)
+
+        def finish(mem: GuestMemory) -> int:
+            answer = self._answer(mem, future, want, out_ptr, cap)
+            return int(ErrorCode.BUFFER_TOO_SMALL) if answer is None else answer
+
+        if future.done():
+            return finish(mem)
+        return Block("blocked-on-pred", future, finish)
 
     # ---- I/O ----
 

@@ -278,15 +278,14 @@ class KVFS:
         n = len(positions)
         if n == 0:
             raise InvalidArgument("pred needs at least one token")
-        if file.length > 0 and positions[0] != file.next_position:
-            raise PositionError(
-                f"positions must continue the file: expected {file.next_position}, got {positions[0]}"
-            )
-        for a, b in zip(positions, positions[1:]):
-            if b != a + 1:
-                raise PositionError(f"positions must increase by one: {a} then {b}")
-        if positions[0] < 0:
-            raise PositionError(f"positions must be non-negative, got {positions[0]}")
+        first = positions[0]
+        if file.length > 0 and first != file.next_position:
+            raise PositionError(f"positions must continue the file: expected {file.next_position}, got {first}")
+        if n > 1 and positions != list(range(first, first + n)):
+            a, b = next((a, b) for a, b in zip(positions, positions[1:]) if b != a + 1)
+            raise PositionError(f"positions must increase by one: {a} then {b}")
+        if first < 0:
+            raise PositionError(f"positions must be non-negative, got {first}")
         slots = self._grow(file, n)
         if file.length == n:
             file.runs = [(0, positions[0])]
@@ -295,8 +294,15 @@ class KVFS:
     def _grow(self, file: KvFile, n: int) -> list[int]:
         """Add `n` token slots at the end of the file (pages allocated, a shared partly filled
         last page copied first) and return their flat slot indices."""
-        self.ensure_resident(file)
         page_size = self.pool.page_size
+        offset = file.length % page_size
+        if offset and offset + n <= page_size and not file.host_pages and self.pool.refcount[file.pages[-1]] == 1:
+            # The tokens fit in the file's own, resident last page (most decode steps).
+            first = file.pages[-1] * page_size + offset
+            file.length += n
+            file.last_used = self.clock()
+            return [first] if n == 1 else list(range(first, first + n))
+        self.ensure_resident(file)
         copy_last = bool(file.length % page_size) and self.pool.refcount[file.pages[-1]] > 1
         needed = -(-(file.length + n) // page_size) - len(file.pages)
         if needed + copy_last:  # else the tokens fit in the file's own last page

@@ -38,6 +38,7 @@ class ProcessState(str, enum.Enum):
 
 
 _STATE_OF = {state.value: state for state in ProcessState}  # faster than ProcessState(value)
+_RUNNABLE = ProcessState.RUNNABLE  # a module global: an enum member's attribute lookup costs more
 _pids = itertools.count(1)
 
 
@@ -188,7 +189,7 @@ class Process:
 
     @property
     def finished(self) -> bool:
-        return self.state in (ProcessState.EXITED, ProcessState.KILLED)
+        return self.exit_code is not None  # set with the state, by _end only
 
     def advance(self) -> str:
         """Run the guest until it blocks, yields or ends. Returns "waiting" (blocked, or not
@@ -218,7 +219,7 @@ class Process:
                 return "waiting"
             self._blocked = None
             pending.complete((self.finish_block(block, call),))
-            self.state = ProcessState.RUNNABLE
+            self.state = _RUNNABLE
             self._renew_time_slice()
             resumed = True
         fiber = self._fiber

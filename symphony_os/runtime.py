@@ -25,6 +25,7 @@ from .program import Program, load_program, load_program_file
 from .tools import ToolRegistry, default_tools
 
 BLOCKING_CALLS = ("pred_wait", "pred", "recv")
+_get_ident = threading.get_ident
 EPOCH_INTERVAL_S = 0.01  # one epoch tick: a guest's time slice is a multiple of this
 
 
@@ -66,7 +67,7 @@ class Worker:
         """Queue `process` for this worker's next round (any thread). Wake-ups from the batch
         driver (completed preds) are only queued: the driver starts the next round once it has
         delivered all of them, so one round takes every process the batch released."""
-        driving = self.driver.is_driving()
+        driving = _get_ident() == self.driver.driving_thread  # self.driver.is_driving(), inlined
         with self._lock:
             queued = self._ready.get(process.pid)
             if queued is None or (queued[1] and not preempted):

@@ -83,6 +83,7 @@ class BatchScheduler:
             return None
         chunks: list[ScheduledChunk] = []
         budget = self.token_budget
+        room = self.max_batch_size  # chunks still allowed
         busy_files: set[int] = set()
         prefills = False
         for decode_pass in (True, False):
@@ -91,17 +92,18 @@ class BatchScheduler:
             # A file whose earlier request is skipped in this pass takes no later one (order).
             skipped_files: set[int] = set()
             for request in self.waiting.values():
-                if budget == 0 or len(chunks) == self.max_batch_size:
+                if budget == 0 or room == 0:
                     break
                 file_id = request.file.file_id
-                remaining = request.remaining
+                remaining = len(request.tokens) - request.done
                 if remaining != 1:
                     prefills = True
                 if file_id in busy_files or file_id in skipped_files or (remaining == 1) != decode_pass:
                     skipped_files.add(file_id)
                     continue
-                count = min(remaining, budget)
+                count = remaining if remaining <= budget else budget
                 chunks.append(ScheduledChunk(request, request.done, count, count == remaining))
                 busy_files.add(file_id)
                 budget -= count
+                room -= 1
         return BatchPlan(chunks)

@@ -176,6 +176,57 @@ def test_handler_returning_wrong_values_traps():
     assert "handler returned int, not Ready or Pending" in fiber.trap
 
 
+def test_pending_answered_wrongly_traps():
+    queue = WaitQueue(answer=lambda owner, x: x)
+    engine, linker, module = make_guest_env(queue, epoch_interruption=False)
+    store, exports = new_guest(engine, linker, module)
+    fiber = Fiber(store, exports["sum_waits"], [1])
+    assert fiber.poll() is False
+    (pending, _, _), = queue.waiting
+    pending.complete([1, 2])
+    assert run_to_end(fiber).trap is not None and "symphony.wait takes 1 values, got 2" in fiber.trap
+
+
+def test_pending_answered_before_its_handler_returns():
+    """A Pending done by the time wasmtime gets it (answered on another thread at once, or by
+    the handler itself) lets the guest run on in the same poll, once, with that answer."""
+    def answer_at_once(call, args):
+        pending = Pending()
+        worker = threading.Thread(target=pending.complete, args=([args[0] + 100],))
+        worker.start()
+        worker.join()
+        return pending
+
+    engine, linker, module = make_guest_env(answer_at_once, epoch_interruption=False)
+    store, exports = new_guest(engine, linker, module)
+    fiber = Fiber(store, exports["sum_waits"], [3])
+    assert fiber.poll() is True and fiber.result == [100 + 101 + 102]
+
+
+def test_pending_answered_from_other_threads_while_polled():
+    """Answers from another thread race with the handler registering its wait: every call
+    still gets its own answer exactly once."""
+    queue = WaitQueue(answer=lambda owner, x: x + 1)
+    engine, linker, module = make_guest_env(queue, epoch_interruption=False)
+    store, exports = new_guest(engine, linker, module)
+    stop = threading.Event()
+
+    def answer_forever():
+        while not stop.is_set():
+            queue.answer_all()
+
+    answerer = threading.Thread(target=answer_forever)
+    answerer.start()
+    try:
+        fiber = Fiber(store, exports["sum_waits"], [300])
+        while not fiber.poll():
+            pass
+    finally:
+        stop.set()
+        answerer.join()
+    assert fiber.result == [sum(range(1, 301))]
+
+
 def test_pending_fail_traps_guest_with_message():
     queue = WaitQueue(fail_when=lambda owner, x: x == 2)
     engine, linker, module = make_guest_env(queue, epoch_interruption=False)
