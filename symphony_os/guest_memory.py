@@ -28,6 +28,8 @@ class GuestMemory:
     past the size known so far. Bytes move through a memoryview of the memory (no foreign
     call: ctypes' string_at / memmove cost 0.4-0.6 us each here, a slice 0.05)."""
 
+    __slots__ = ("_locate", "_base", "_size", "_view")
+
     def __init__(self, locate: Callable[[], tuple[int, int]]):
         self._locate = locate
         self._base = 0

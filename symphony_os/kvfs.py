@@ -141,7 +141,7 @@ class KvFile:
         return self.host_pages == 0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Handle:
     file: KvFile
     writable: bool

@@ -66,6 +66,8 @@ class Usage:
     """What one process has used of its limits so far. Touched by the process's worker thread,
     except `check_deadlines`, which the watchdog calls."""
 
+    __slots__ = ("limits", "started", "output_bytes", "hostcalls", "_window_start")
+
     def __init__(self, limits: ProcessLimits):
         self.limits = limits
         self.started = time.monotonic()
