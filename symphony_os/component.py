@@ -667,6 +667,8 @@ class ComponentProcess(Process):
     """A process whose program is a component: `print()` goes to its log, `run()`'s return value
     is its exit code."""
 
+    __slots__ = ("component_calls", "_log_failure_logged")
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.component_calls = ComponentCalls(self)

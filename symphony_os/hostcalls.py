@@ -60,6 +60,9 @@ def _signature_of(func) -> int:
 class HostCalls:
     """The system calls of one process, each entered through `dispatch`."""
 
+    __slots__ = ("process", "engine", "kv", "tickets", "_next_ticket", "prefix_cache", "prefix_files", "last_limit",
+                 "_failures_logged", "host_distribution_bytes")
+
     def __init__(self, process: "Process"):
         self.process = process
         self.engine = process.engine

@@ -1,20 +1,23 @@
 """The answer to a `pred` request, delivered later: a small future.
 
 concurrent.futures.Future builds a Condition (an RLock and more) for every instance: about
-5 us per request on the dev machine, paid on every token of every process. This one takes a
-plain Lock and creates an Event only for a caller that actually blocks in `result()`.
+5 us per request on the dev machine, paid on every token of every process. This one takes no
+lock on the common path (answered by the engine, a callback run by it): callbacks pass through
+a list whose `append` and `pop` are atomic under the GIL, so each runs exactly once whichever
+thread gets there first. Only a caller that blocks in `result()` makes an Event.
 """
 from __future__ import annotations
 
 import threading
 from typing import Any, Callable
 
+_event_lock = threading.Lock()  # makes one Event per waited-on future, for all futures (rare)
+
 
 class PredFuture:
-    __slots__ = ("_lock", "_done", "_result", "_error", "_callbacks", "_event")
+    __slots__ = ("_done", "_result", "_error", "_callbacks", "_event")
 
     def __init__(self):
-        self._lock = threading.Lock()
         self._done = False
         self._result: Any = None
         self._error: BaseException | None = None
@@ -25,15 +28,22 @@ class PredFuture:
         return self._done
 
     def _settle(self, result: Any, error: BaseException | None) -> None:
-        with self._lock:
-            if self._done:
-                raise RuntimeError("this pred was already answered")
-            self._result, self._error, self._done = result, error, True
-            callbacks, self._callbacks = self._callbacks, []
-            event = self._event
+        if self._done:
+            raise RuntimeError("this pred was already answered")
+        self._result, self._error = result, error
+        self._done = True  # after the answer, before the waiters and callbacks look
+        event = self._event
         if event is not None:
             event.set()
-        for callback in callbacks:
+        self._run_callbacks()
+
+    def _run_callbacks(self) -> None:
+        callbacks = self._callbacks
+        while callbacks:
+            try:
+                callback = callbacks.pop(0)  # in the order added
+            except IndexError:  # another thread took the last one
+                return
             callback(self)
 
     def set_result(self, result: Any) -> None:
@@ -44,20 +54,20 @@ class PredFuture:
 
     def add_done_callback(self, callback: Callable[["PredFuture"], None]) -> None:
         """Run `callback(self)` once answered (at once, here, if it already is)."""
-        with self._lock:
-            if not self._done:
-                self._callbacks.append(callback)
-                return
-        callback(self)
+        self._callbacks.append(callback)
+        if self._done:  # answered before or while it was added: whoever pops it runs it
+            self._run_callbacks()
 
     def result(self, timeout: float | None = None) -> Any:
         """The PredResult, or raise the request's error. Blocks until answered."""
         if not self._done:
-            with self._lock:
-                if not self._done and self._event is None:
+            with _event_lock:
+                if self._event is None:
                     self._event = threading.Event()
                 event = self._event
-            if event is not None and not event.wait(timeout):
+            # _settle marks the future done before it reads _event; here _event is set before
+            # `done` is read: one of the two sees the other's write.
+            if not self._done and not event.wait(timeout):
                 raise TimeoutError("the pred was not answered in time")
         if self._error is not None:
             raise self._error

@@ -47,6 +47,14 @@ class Process:
     its stdout/stderr (kept in `log` only when there is no `on_log`: the caller keeps what it
     needs); `on_exit(process)` runs once when it ends (on its worker's thread)."""
 
+    # Slots: a round touches every process's fields; no per-process dict to fetch (and a
+    # misspelt attribute fails at once).
+    __slots__ = ("pid", "program", "args", "engine", "kv", "tools", "limits", "state", "exit_code", "end_reason",
+                 "log", "_on_output", "_on_log", "_on_exit", "_inbox", "_inbox_bytes", "_inbox_lock",
+                 "_input_closed", "_kill_reason", "ended", "cpu_time_s", "usage", "hostcalls", "store",
+                 "_renew_time_slice", "_fiber", "_instantiating", "_memory", "memory", "_blocked", "wake",
+                 "__weakref__")
+
     def __init__(self, program: Program, args: list[str], env: dict[str, str], engine, kv_session,
                  linker: AsyncLinker, limits: ProcessLimits,
                  on_output: Callable[[bytes], None] | None = None,
