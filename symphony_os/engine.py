@@ -183,7 +183,8 @@ class Engine:
                         request.started_at = now
                         if request.positions is None:
                             start = file.next_position
-                            request.positions = list(range(start, start + len(request.tokens)))
+                            n = len(request.tokens)
+                            request.positions = [start] if n == 1 else list(range(start, start + n))
                     whole = chunk.count == len(request.tokens)  # no slices to make
                     positions = request.positions if whole else request.positions[chunk.start:chunk.start + chunk.count]
                     slots = self.kvfs.reserve_slots(file, positions)
@@ -213,7 +214,8 @@ class Engine:
             wants = []
             for chunk, seq in zip(chunks, seqs):
                 if seq.greedy_each:
-                    chunk.request.greedy_each += seq.argmax_each
+                    request = chunk.request
+                    request.greedy_each = (request.greedy_each or []) + seq.argmax_each
                 elif seq.wants_logits:
                     wants.append(chunk.request.want)
             results = process_logits(logits, wants, self._generator) if wants else []
@@ -232,7 +234,7 @@ class Engine:
             chunk.request.done += chunk.count
             if chunk.is_last:
                 request = chunk.request
-                result = (PredResult(tokens=request.greedy_each) if isinstance(request.want, GreedyEach)
+                result = (PredResult(tokens=request.greedy_each or []) if isinstance(request.want, GreedyEach)
                           else next(done))
                 finished.append((request, result, None))
         self._finish_all(finished)
@@ -244,16 +246,19 @@ class Engine:
     def _finish_all(self, outcomes: list[tuple[PredRequest, PredResult | None, BaseException | None]]) -> None:
         """Take the requests out of the queue, release their files, complete their futures."""
         with self._queue_mutex:
+            waiting = self.scheduler.waiting  # scheduler.remove, inlined: a batch removes many
             for request, _, _ in outcomes:
-                self.scheduler.remove(request)
-        with self.kvfs.lock:
+                del waiting[id(request)]
+        kvfs = self.kvfs
+        with kvfs.lock:
+            now = kvfs.clock()
             for request, _, error in outcomes:
                 file = request.file
                 if error is not None and request.length_before is not None:
                     # Undo the chunks already appended: a failed pred leaves the file as it was.
-                    self.kvfs.shrink(file, request.length_before)
+                    kvfs.shrink(file, request.length_before)
                 file.inflight -= 1
-                self.kvfs.release(file)
+                kvfs.release(file, now)
         counters = self._counters
         for request, result, error in outcomes:
             if request.started_at is not None:

@@ -36,15 +36,17 @@ T = TypeVar("T")
 
 @dataclass(slots=True)
 class Block:
-    """A blocking call: wait for `future` (None: for the process's inbox), then `finish(memory)`
-    gives the call's result, writing outputs into guest memory on the process's own thread.
-    If `finish` raises, `failed(code)` is the result (a core module's int, a component's
-    Failed): the process (Process.finish_block) applies it, so no exception reaches wasmtime."""
+    """A blocking call: wait for `future` (None: for the process's inbox), then
+    `finish(memory, *args)` gives the call's result, writing outputs into guest memory on the
+    process's own thread. If `finish` raises, `failed(code)` is the result (a core module's
+    int, a component's Failed): the process (Process.finish_block) applies it, so no exception
+    reaches wasmtime. (`args` rather than a closure: the blocking pred builds one per token.)"""
 
     state: str
     future: PredFuture | None
-    finish: Callable[[GuestMemory], Any]
+    finish: Callable[..., Any]
     failed: Callable[[ErrorCode], Any] = int
+    args: tuple = ()
 
 
 @dataclass(slots=True)
@@ -357,14 +359,9 @@ class HostCalls:
         mem.check(out_ptr, 4 * cap)
         tokens, positions, want = self._pred_request(mem, ids_ptr, pos_ptr, n, kind, arg)
         future = self._queue(kv, tokens, positions, want)
-
-        def finish(mem: GuestMemory) -> int:
-            answer = self._answer(mem, future, want, out_ptr, cap)
-            return int(ErrorCode.BUFFER_TOO_SMALL) if answer is None else answer
-
         if future.done():
-            return finish(mem)
-        return Block("blocked-on-pred", future, finish)
+            return _finish_pred(mem, self, future, want, out_ptr, cap)
+        return Block("blocked-on-pred", future, _finish_pred, int, (self, future, want, out_ptr, cap))
 
     # ---- I/O ----
 
@@ -424,6 +421,12 @@ class HostCalls:
             return WASI_EFAULT
         self.process.capture_log(data)
         return 0
+
+
+def _finish_pred(mem: GuestMemory, calls: HostCalls, future: PredFuture, want: Want, out_ptr: int, cap: int) -> int:
+    """The blocking pred's result once answered (its room was checked when it was queued)."""
+    answer = calls._answer(mem, future, want, out_ptr, cap)
+    return int(ErrorCode.BUFFER_TOO_SMALL) if answer is None else answer
 
 
 CALLS = ("vocab_size", "eos_ids", "bos_id", "model_name", "tokenize", "detokenize", "kv_create", "kv_open",

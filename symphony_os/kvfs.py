@@ -189,10 +189,11 @@ class KVFS:
         file.refs += 1
         file.last_used = self.clock()
 
-    def release(self, file: KvFile) -> None:
-        """Drop one reference; anonymous files (and drop-on-close ones) die with the last."""
+    def release(self, file: KvFile, now: float | None = None) -> None:
+        """Drop one reference; anonymous files (and drop-on-close ones) die with the last.
+        `now`: the clock, when the caller read it already (a batch releases many files)."""
         file.refs -= 1
-        file.last_used = self.clock()
+        file.last_used = self.clock() if now is None else now
         if file.refs > 0:
             return
         if file.name is None:

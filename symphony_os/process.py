@@ -183,7 +183,7 @@ class Process:
         """The result of a blocking call whose wait is over: `block.finish`, or, if that raises,
         `block.failed` of its error code (an unexpected exception is logged, INTERNAL)."""
         try:
-            return block.finish(self.memory_for(call))
+            return block.finish(self.memory_for(call), *block.args)
         except SymphonyError as error:
             return block.failed(error.code)
         except Exception:

@@ -31,7 +31,7 @@ class PredRequest:
     done: int = 0  # tokens already appended by earlier chunks
     length_before: int | None = None  # the file's length when the first chunk ran (for rollback)
     started_at: float | None = None
-    greedy_each: list[int] = field(default_factory=list)  # GreedyEach: argmaxes of the chunks so far
+    greedy_each: list[int] | None = None  # GreedyEach: argmaxes of the chunks so far
 
     @property
     def remaining(self) -> int:
