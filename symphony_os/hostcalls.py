@@ -141,7 +141,7 @@ class HostCalls:
             raise InvalidArgument("detokenize: count or cap out of range")
         ids = mem.read_i32s(ids_ptr, n)
         vocab = self.engine.loaded.config.vocab_size
-        if any(not 0 <= i < vocab for i in ids):
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
             raise InvalidArgument(f"token ids must be in [0, {vocab})")
         return self._write_text(mem, self.engine.detokenize(ids).encode(), out_ptr, cap)
 
