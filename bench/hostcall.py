@@ -2,10 +2,10 @@
 
 1. Null model (no forward pass: the runner returns zero logits at once): the per-process cost
    of one suspend / batch / resume round, at 16, 256 and 1024 processes. Each process is a
-   WAT guest doing one blocking `pred` per round (also: `pred_submit` + `pred_wait`). Measured in the steady state: the
-   time from one full batch (every process in it) to the next, divided by the processes, median
-   over the run's full batches; the table has the median of `repeats` runs (the 2-core VM's
-   noise moves one run by +-30%). Two configurations: one thread, as `symphony run` runs (batches
+   WAT guest doing one blocking `pred` per round (also: `pred_submit` + `pred_wait`). Measured
+   in the steady state: the time from one full batch (every process in it) to the next, divided
+   by the processes, median over the run's full batches; the table has the median of `repeats`
+   runs (the 2-core VM's noise moves one run by +-30%). Two configurations: one thread, as `symphony run` runs (batches
    and guests inside `Runtime.wait`), and threads, as `symphony serve` runs (a worker thread
    for guests, a driver thread for batches).
 2. Real model (the 50M-parameter random Llama of bench/engine.py): tokens/s of `hello`
@@ -188,8 +188,9 @@ def main() -> None:
                 row = sorted(runs, key=lambda r: r["us_per_process_round"])[len(runs) // 2]  # the median run
                 row["us_per_process_round_runs"] = [r["us_per_process_round"] for r in runs]
                 null_rows.append(row)
-                print(f"null model, {row['config']}, {row['calls']}, {n:>5} processes: {row['us_per_process_round']:.1f} us per "
-                      f"process per round (best batch {row['us_per_process_round_best']:.1f})", flush=True)
+                print(f"null model, {row['config']}, {row['calls']}, {n:>5} processes: "
+                      f"{row['us_per_process_round']:.1f} us per process per round "
+                      f"(best batch {row['us_per_process_round_best']:.1f})", flush=True)
 
         model_dir = build_random_model(Path(tmp) / "bench", seed=0, **BENCH_SHAPE)
         engine = Engine.from_path(model_dir, device="cpu", page_size=16, num_pages=4096, token_budget=4096)
@@ -235,7 +236,8 @@ def main() -> None:
     print(f"\nhello processes vs the engine's Python API, 50M random Llama, float32 CPU, {new_tokens} new tokens, "
           f"median of {repeats} (target ratio >= 0.95). 'API' is host greedy; 'API, hello's work' also takes the full "
           "distribution, its argmax and a detokenize per token, as hello does")
-    print(f"{'batch':>5} | {'LIP tok/s':>9} | {'API tok/s':>9} | {'ratio':>5} | {'API, hello work':>15} | {'ratio':>5} | identical")
+    print(f"{'batch':>5} | {'LIP tok/s':>9} | {'API tok/s':>9} | {'ratio':>5} | {'API, hello work':>15} | "
+          f"{'ratio':>5} | identical")
     for r in real_rows:
         print(f"{r['batch']:>5} | {r['lip_tok_s']:>9.1f} | {r['api_tok_s']:>9.1f} | {r['ratio']:>5.3f} | "
               f"{r['api_same_work_tok_s']:>15.1f} | {r['ratio_same_work']:>5.3f} | {r['identical_outputs']}")
