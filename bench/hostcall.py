@@ -5,9 +5,9 @@
    WAT guest doing one blocking `pred` per round (also: `pred_submit` + `pred_wait`). Measured
    in the steady state: the time from one full batch (every process in it) to the next, divided
    by the processes, median over the run's full batches; the table has the median of `repeats`
-   runs (the 2-core VM's noise moves one run by +-30%). Two configurations: one thread, as `symphony run` runs (batches
-   and guests inside `Runtime.wait`), and threads, as `symphony serve` runs (a worker thread
-   for guests, a driver thread for batches).
+   runs (the 2-core VM's noise moves one run by +-30%). Two configurations: one thread, as
+   `symphony run` runs (batches and guests inside `Runtime.wait`), and threads, as `symphony
+   serve` runs (a worker thread for guests, a driver thread for batches).
 2. Real model (the 50M-parameter random Llama of bench/engine.py): tokens/s of `hello`
    processes (lips/hello.c: full distribution to the guest, argmax and detokenize there) against
    the engine's Python API at the same batch sizes; outputs must match. Against two API loops:
