@@ -20,8 +20,8 @@ ctypes layer (`wasmtime._ffi`). The C API's rules, and what breaking them did:
   and turns it into a guest trap. wasmtime-py's own callbacks park exceptions in one global
   slot shared by all threads, so none of them is used here.
 - A waiting call's continuation, which wasmtime calls on every poll, is C code (strlen over a
-  flag byte that `Pending.complete` raises once the results are written), not a callback into
-  Python: the one callback per blocking call is the call itself.
+  flag byte that `Fiber.poll` raises once the Pending is done and the results are written), not
+  a callback into Python: the one callback per blocking call is the call itself.
 """
 from __future__ import annotations
 
@@ -171,29 +171,25 @@ class Ready:
 class Pending:
     """A handler's answer that arrives later. Some other code calls `complete(values)`, or
     `fail(message)` to trap the guest with `message`; the guest resumes at its fiber's next
-    poll. Both may be called from any thread. `abandoned` turns True if the guest's call was
-    dropped (its fiber closed) before an answer came, so the work can be skipped."""
+    poll. Both may be called from any thread: they only record the answer, which the polling
+    thread hands to wasmtime. `abandoned` turns True if the guest's call was dropped (its fiber
+    closed) before an answer came, so the work can be skipped."""
 
-    __slots__ = ("values", "failure", "done", "abandoned", "waiting_key")
+    __slots__ = ("values", "failure", "done", "abandoned")
 
     def __init__(self):
         self.values: Sequence[Value] = ()
         self.failure: str | None = None
         self.abandoned = False
         self.done = False
-        self.waiting_key = 0  # set while a core guest's call waits on it (fiber.py's own)
 
     def complete(self, values: Sequence[Value] = ()) -> None:
         self.values = values
         self.done = True  # last: the poller reads `done` first
-        if self.waiting_key:
-            _deliver(self.waiting_key)
 
     def fail(self, message: str) -> None:
         self.failure = message
         self.done = True
-        if self.waiting_key:
-            _deliver(self.waiting_key)
 
 
 HostResult = Union[Ready, Pending]
@@ -381,11 +377,12 @@ def _call_sync(key, caller, args, nargs, results, nresults):
 
 # The continuation of a call waiting inside a fiber we poll is C's own strlen over a 2-byte flag
 # of the fiber's: wasmtime calls a continuation on every poll of the waiting guest, and strlen
-# answers 0 (waiting) or 1 (done: results written) without entering Python. `_deliver` raises the
-# flag when the Pending is done. Two callbacks into Python fewer per wait (one that answers
-# "not yet" right after the handler returns, one that answers "done"); the second byte stays
-# 0, so strlen returns exactly 0 or 1, the values of a C bool.
-_FLAG_CONTINUATION = _address(ctypes.CDLL(None).strlen)
+# answers 0 (waiting) or 1 (done: results written) without entering Python. `Fiber.poll` raises
+# the flag (`_deliver`) once the Pending is done, on the polling thread. Two callbacks into
+# Python fewer per wait (one that answers "not yet" right after the handler returns, one that
+# answers "done"); the second byte stays 0, so strlen returns exactly 0 or 1, a C bool's values.
+_C_LIBRARY = ctypes.cdll.msvcrt if sys.platform == "win32" else ctypes.CDLL(None)  # the process's own libc
+_FLAG_CONTINUATION = _address(_C_LIBRARY.strlen)
 # The continuation of a call answered at once (results or trap already written): a flag that
 # is always raised.
 _ALWAYS_DONE = ctypes.create_string_buffer(b"\x01", 2)
@@ -419,8 +416,7 @@ def _call_async(key, caller, args, nargs, results, nresults, trap_slot, continua
                 _WAITING[waiting_key] = _Waiting(outcome, call, function, results, trap_slot, flag)
                 fiber._waiting_key = waiting_key
                 _CONTINUATION.pack_into(_NATIVE, continuation, _FLAG_CONTINUATION, fiber._flag_address, 0)
-                outcome.waiting_key = waiting_key
-                if outcome.done:  # answered already (by another thread): deliver it here
+                if outcome.done:  # answered already: the guest runs on in this poll
                     _deliver(waiting_key)
             else:
                 _WAITING[waiting_key] = _Waiting(outcome, call, function, results, trap_slot)
@@ -459,26 +455,20 @@ def _continue_waiting(waiting_key) -> bool:
 
 def _deliver(waiting_key: int) -> None:
     """Write a done Pending's results (or trap) where wasmtime expects them, then raise the
-    flag its continuation reads. Once per wait: whoever pops the entry first delivers (a
-    Pending answered by another thread while its handler was still registering it)."""
-    waiting = _WAITING.pop(waiting_key, None)
-    if waiting is None:
-        return  # delivered already, or the fiber was closed: the answer has nowhere to go
+    flag its continuation reads. Runs on the polling thread, inside `Fiber.poll` (so no other
+    thread can close the fiber, freeing those slots, meanwhile). Never raises: a failure to
+    write becomes the guest's trap, as in the callbacks."""
+    waiting = _WAITING.pop(waiting_key)
     pending, function = waiting.pending, waiting.function
-    deferred = None
     try:
         if pending.failure is not None:
             _set_trap(waiting.trap_slot, _new_trap(pending.failure))
         else:
             function.results.write(waiting.results, pending.values, function.qualified_name)
     except BaseException as error:
-        _set_trap(waiting.trap_slot, _new_trap(_failure_message(function, error)))
-        if not isinstance(error, Exception):
-            deferred = error
+        _set_trap(waiting.trap_slot, _trap_for(function, error))
     waiting.call._caller = None
-    waiting.flag[0] = 1  # last: wasmtime reads the results once it sees the flag
-    if deferred is not None:
-        raise deferred
+    waiting.flag[0] = 1  # wasmtime reads the results once it sees the flag
 
 
 def _forget_waiting(waiting_key: int) -> None:
@@ -639,6 +629,9 @@ class Fiber:
             return True
         outer, _polling.fiber = _polling.fiber, self
         try:
+            waiting = _WAITING.get(self._waiting_key)
+            if waiting is not None and waiting.flag is not None and waiting.pending.done:
+                _deliver(self._waiting_key)  # the guest resumes in this poll
             finished = _future_poll(self._future)
         finally:
             _polling.fiber = outer

@@ -258,8 +258,9 @@ class HostCalls:
         return ticket
 
     def _queue(self, kv: int, tokens: list[int], positions: list[int] | None, want: Want) -> PredFuture:
-        """The checks every pred passes (the one in flight in a blocking `pred` counts among
-        the preds in flight and distributions held), then the engine's queue."""
+        """The checks every pred passes, then the engine's queue. (A blocking `pred` takes no
+        ticket, so it is not among the tickets counted here; it needs no room there either: its
+        guest is suspended until it is answered, and the checks ran before it was queued.)"""
         limits = self.process.limits
         if len(self.tickets) >= limits.preds_in_flight:
             raise LimitExceeded(f"at most {limits.preds_in_flight} preds in flight per process")

@@ -5,6 +5,10 @@ concurrent.futures.Future builds a Condition (an RLock and more) for every insta
 lock on the common path (answered by the engine, a callback run by it): callbacks pass through
 a list whose `append` and `pop` are atomic under the GIL, so each runs exactly once whichever
 thread gets there first. Only a caller that blocks in `result()` makes an Event.
+
+The producer (the engine's batch loop) answers a future once; a second answer is refused, on a
+best-effort basis only (two threads answering at once are not told apart: nothing does that).
+This relies on the GIL: a free-threaded build of Python would need the lock back.
 """
 from __future__ import annotations
 
@@ -53,7 +57,9 @@ class PredFuture:
         self._settle(None, error)
 
     def add_done_callback(self, callback: Callable[["PredFuture"], None]) -> None:
-        """Run `callback(self)` once answered (at once, here, if it already is)."""
+        """Run `callback(self)` once answered: on the answering thread, or at once, here, if it
+        already is (or, when another thread adds a callback just as the answer lands, possibly
+        on that thread)."""
         self._callbacks.append(callback)
         if self._done:  # answered before or while it was added: whoever pops it runs it
             self._run_callbacks()

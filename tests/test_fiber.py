@@ -185,6 +185,7 @@ def test_pending_answered_wrongly_traps():
     (pending, _, _), = queue.waiting
     pending.complete([1, 2])
     assert run_to_end(fiber).trap is not None and "symphony.wait takes 1 values, got 2" in fiber.trap
+    assert isinstance(fiber.error, ValueError)
 
 
 def test_pending_answered_before_its_handler_returns():
