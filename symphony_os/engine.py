@@ -130,11 +130,7 @@ class Engine:
                 raise InvalidArgument(f"{len(tokens)} tokens but {len(positions)} positions")
         if want is not GREEDY:
             validate_want(want, vocab)
-        with self.kvfs.lock:
-            file = session.file_of(handle, write=True)
-            self.kvfs.acquire(file)
-            file.inflight += 1
-        request = PredRequest(file, tokens, positions, want)
+        request = PredRequest(session.take_for_pred(handle), tokens, positions, want)
         with self._queue_mutex:
             self.scheduler.add(request)
             if self._thread is not None:  # only the background loop waits on the queue
@@ -200,7 +196,10 @@ class Engine:
                 seqs.append(SequenceInput(
                     tokens=request.tokens if whole else request.tokens[chunk.start:chunk.start + chunk.count],
                     positions=positions,
-                    slots=slots, page_table=list(self.kvfs.page_table(file)), context_len=file.length,
+                    # The file's own page list, not a copy: no one else changes the pages of a
+                    # file with a pred in flight (truncate refuses it, eviction and swapping skip
+                    # it while protected), and the batch's one chunk per file appended already.
+                    slots=slots, page_table=self.kvfs.page_table(file), context_len=file.length,
                     wants_logits=chunk.is_last and not each, greedy_each=each,
                 ))
         if failed:

@@ -574,6 +574,18 @@ class KvSession:
                 raise ReadOnlyFile(f"KV handle {handle} is read-only; fork it to write")
             return entry.file
 
+    def take_for_pred(self, handle: int) -> KvFile:
+        """The file behind a writable handle, with a reference and an in-flight pred counted on
+        it (the engine's `submit`; `KVFS.release` and `inflight -= 1` end both)."""
+        with self.fs.lock:
+            entry = self._get(handle)
+            if not entry.writable:
+                raise ReadOnlyFile(f"KV handle {handle} is read-only; fork it to write")
+            file = entry.file
+            self.fs.acquire(file)
+            file.inflight += 1
+            return file
+
     def _new_handle_for_new_file(self) -> tuple[int, KvFile]:
         file = self.fs._new_file(self.tenant)
         try:

@@ -53,7 +53,7 @@ class Process:
                  "log", "_on_output", "_on_log", "_on_exit", "_inbox", "_inbox_bytes", "_inbox_lock",
                  "_input_closed", "_kill_reason", "ended", "cpu_time_s", "usage", "hostcalls", "store",
                  "_renew_time_slice", "_fiber", "_instantiating", "_memory", "memory", "_blocked", "wake",
-                 "__weakref__")
+                 "_woken_by_pred", "__weakref__")
 
     def __init__(self, program: Program, args: list[str], env: dict[str, str], engine, kv_session,
                  linker: AsyncLinker, limits: ProcessLimits,
@@ -94,6 +94,7 @@ class Process:
         self.memory: GuestMemory | None = None  # checked access to it
         self._blocked: tuple[Block, Pending, HostCall] | None = None
         self.wake: Callable[["Process"], None] = lambda process: None  # set by the worker
+        self._woken_by_pred = self._pred_done  # one bound method, not one per pred
 
     # ---- I/O, callable from any thread ----
 
@@ -174,7 +175,7 @@ class Process:
         self._blocked = (block, pending, call)
         self.state = _STATE_OF[block.state]
         if block.future is not None:
-            block.future.add_done_callback(self._pred_done)
+            block.future.add_done_callback(self._woken_by_pred)
         elif self.input_ready():
             self.wake(self)
         return pending

@@ -201,7 +201,8 @@ def _handler(name: str, blocking: bool):
     def handle(call, args):
         process: Process = call.fiber.owner
         hostcalls = process.hostcalls
-        outcome = hostcalls.dispatch(name, int, method, hostcalls, process.memory_for(call), *args)
+        memory = process.memory if process.memory is not None else process.memory_for(call)
+        outcome = hostcalls.dispatch(name, int, method, hostcalls, memory, *args)
         if isinstance(outcome, Block):
             return process.block_on(outcome, call)
         return Ready((outcome,)) if blocking else (outcome,)
