@@ -4,8 +4,9 @@ batches replay captured graphs (`cuda_graph.py`); everything else runs eagerly."
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, chain
 
+import numpy as np
 import torch
 
 from .attention import AttentionMetadata
@@ -28,6 +29,17 @@ class SequenceInput:
     argmax_each: list[int] | None = None  # output of `run` for a greedy_each sequence
 
 
+def padded_page_table(page_tables: list[list[int]]) -> np.ndarray:
+    """int32 [rows, longest], each row a sequence's pages, padded with 0: filled in one numpy
+    assignment (a nested list through torch.tensor cost 3x as much: 410 against 130 us for
+    128 sequences of ~64 pages)."""
+    lengths = np.fromiter(map(len, page_tables), dtype=np.int64, count=len(page_tables))
+    table = np.zeros((len(page_tables), int(lengths.max(initial=0))), dtype=np.int32)
+    table[np.arange(table.shape[1]) < lengths[:, None]] = np.fromiter(
+        chain.from_iterable(page_tables), dtype=np.int32, count=int(lengths.sum()))
+    return table
+
+
 # Rows of full logits computed at a time for a greedy_each sequence, of which only the argmax
 # is kept: a 4096-token draft would otherwise hold 4096 x vocab float32 (2.5 GB at 151,936).
 ARGMAX_ROWS = 64
@@ -43,14 +55,12 @@ class ModelRunner:
 
     def build_metadata(self, seqs: list[SequenceInput]) -> AttentionMetadata:
         device = self.device
-        max_pages = max(len(s.page_table) for s in seqs)
-        table = [s.page_table + [0] * (max_pages - len(s.page_table)) for s in seqs]
         query_lens = [len(s.tokens) for s in seqs]
         starts = [0, *accumulate(query_lens)]
         slots = [slot for s in seqs for slot in s.slots]
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            page_table=torch.tensor(table, dtype=torch.int32, device=device),
+            page_table=torch.from_numpy(padded_page_table([s.page_table for s in seqs])).to(device),
             context_lens=torch.tensor([s.context_len for s in seqs], dtype=torch.int32, device=device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             query_lens=query_lens,

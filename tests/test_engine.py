@@ -275,3 +275,11 @@ def test_detokenize_is_transformers_decode(source, request, tiny_llama):
             ids = torch.randint(0, len(tokenizer), (length,), generator=generator).tolist()
             for skip in (True, False):
                 assert decode(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def test_padded_page_table_rows_in_order_zero_padded():
+    from symphony_os.model_runner import padded_page_table
+
+    table = padded_page_table([[3, 4, 5], [7], [1, 2]])
+    assert table.dtype.name == "int32" and table.tolist() == [[3, 4, 5], [7, 0, 0], [1, 2, 0]]
+    assert padded_page_table([[9]]).tolist() == [[9]]
