@@ -13,7 +13,9 @@
    the engine's Python API at the same batch sizes; outputs must match. Against two API loops:
    host greedy (the least work), and the API doing hello's work (the full distribution, its
    argmax, the new text per token). Each of the three runs `repeats` times in the
-   order A B C C B A ...; the table has medians (the 2-core VM's noise is +-15% per run).
+   order A B C C B A ...; the table has medians (the 2-core VM's noise is +-15% per run). A
+   second table has each path's host time per token outside the engine's forward pass and
+   sampling: what the runtime's code decides, and steadier than the ratios.
 
     python bench/hostcall.py [--quick]
 
@@ -207,11 +209,13 @@ def main() -> None:
             runs = {"api": lambda: api_decode(engine, ids, new_tokens),
                     "same_work": lambda: api_decode(engine, ids, new_tokens, like_hello=True),
                     "lip": lambda: lip_decode(engine, hello, text_prompts, new_tokens)}
-            times, outputs = {name: [] for name in runs}, {}
+            times, outside, outputs = {name: [] for name in runs}, {name: [] for name in runs}, {}
             for repeat in range(repeats):
                 for name in (list(runs) if repeat % 2 == 0 else list(reversed(runs))):
+                    forward_before = engine.stats().forward_s
                     seconds, outputs[name] = runs[name]()
                     times[name].append(seconds)
+                    outside[name].append(seconds - (engine.stats().forward_s - forward_before))
             api_out, lip_out = outputs["api"], outputs["lip"]
             same = sum(lip == engine.detokenize(p + o) + "\n" for lip, p, o in zip(lip_out, ids, api_out))
             tokens = sum(len(o) for o in api_out)
@@ -219,11 +223,18 @@ def main() -> None:
             row = dict(batch=batch, tokens=tokens, repeats=repeats, api_tok_s=tokens / api_s, lip_tok_s=tokens / lip_s,
                        api_same_work_tok_s=tokens / same_work_s, ratio=api_s / lip_s,
                        ratio_same_work=same_work_s / lip_s, identical_outputs=f"{same}/{batch}",
-                       seconds={name: times[name] for name in runs})
+                       seconds={name: times[name] for name in runs},
+                       # Host time per token outside the engine's forward + sampling (EngineStats.forward_s):
+                       # the part of each path the runtime's code decides, steadier than the ratios.
+                       us_per_token_outside_forward={name: 1e6 * statistics.median(outside[name]) / tokens
+                                                     for name in runs})
             real_rows.append(row)
+            spent = row["us_per_token_outside_forward"]
             print(f"hello x{batch}: {row['lip_tok_s']:.1f} tok/s vs API {row['api_tok_s']:.1f} ({row['ratio']:.3f}), "
                   f"vs API doing hello's work {row['api_same_work_tok_s']:.1f} ({row['ratio_same_work']:.3f}), "
-                  f"identical {row['identical_outputs']}", flush=True)
+                  f"identical {row['identical_outputs']}; outside the forward pass, us per token: LIP "
+                  f"{spent['lip']:.0f}, API {spent['api']:.0f}, API doing hello's work {spent['same_work']:.0f}",
+                  flush=True)
 
         untune_gc()
 
@@ -241,6 +252,11 @@ def main() -> None:
     for r in real_rows:
         print(f"{r['batch']:>5} | {r['lip_tok_s']:>9.1f} | {r['api_tok_s']:>9.1f} | {r['ratio']:>5.3f} | "
               f"{r['api_same_work_tok_s']:>15.1f} | {r['ratio_same_work']:>5.3f} | {r['identical_outputs']}")
+    print("\nHost time per token outside the engine's forward pass and sampling, us (median of the same runs)")
+    print(f"{'batch':>5} | {'LIP':>6} | {'API':>6} | {'API, hello work':>15}")
+    for r in real_rows:
+        spent = r["us_per_token_outside_forward"]
+        print(f"{r['batch']:>5} | {spent['lip']:>6.0f} | {spent['api']:>6.0f} | {spent['same_work']:>15.0f}")
     RESULTS.mkdir(exist_ok=True)
     out = dict(benchmark="hostcall", device="cpu", cpu=platform.processor() or platform.machine(),
                torch_threads=torch.get_num_threads(), null_model=null_rows, hello_vs_api=real_rows,
