@@ -293,6 +293,7 @@ class _Waiting:
 
 # Callback data crosses C as integer keys into these maps (never Python object pointers);
 # each entry leaves in the finalizer wasmtime calls when it drops the function or continuation.
+# (`_WAITING` serves only calls made outside a Fiber's poll; a Fiber holds its one wait itself.)
 # Single dict operations are atomic under the GIL, so threads may share them without a lock.
 _FUNCTIONS: dict[int, _HostFunction] = {}
 _WAITING: dict[int, _Waiting] = {}
@@ -408,17 +409,16 @@ def _call_async(key, caller, args, nargs, results, nresults, trap_slot, continua
         call = HostCall(caller, _polling.fiber)
         outcome = function.handler(call, function.params.read(args))
         if isinstance(outcome, Pending):
-            waiting_key = next(_next_key)
             fiber = call.fiber
-            if fiber is not None:  # the fiber forgets the wait when it ends: no finalizer call
+            if fiber is not None:  # the fiber holds its one wait and forgets it when it ends
                 flag = fiber._flag
                 flag[0] = 0
-                _WAITING[waiting_key] = _Waiting(outcome, call, function, results, trap_slot, flag)
-                fiber._waiting_key = waiting_key
+                fiber._wait = _Waiting(outcome, call, function, results, trap_slot, flag)
                 _CONTINUATION.pack_into(_NATIVE, continuation, _FLAG_CONTINUATION, fiber._flag_address, 0)
                 if outcome.done:  # answered already: the guest runs on in this poll
-                    _deliver(waiting_key)
+                    _deliver(fiber)
             else:
+                waiting_key = next(_next_key)
                 _WAITING[waiting_key] = _Waiting(outcome, call, function, results, trap_slot)
                 _set_continuation(continuation, (_WAITING_CALLBACK, waiting_key, _WAITING_FINALIZER))
             call.fiber = None
@@ -453,12 +453,12 @@ def _continue_waiting(waiting_key) -> bool:
     return True
 
 
-def _deliver(waiting_key: int) -> None:
-    """Write a done Pending's results (or trap) where wasmtime expects them, then raise the
+def _deliver(fiber: "Fiber") -> None:
+    """Write the done Pending's results (or trap) where wasmtime expects them, then raise the
     flag its continuation reads. Runs on the polling thread, inside `Fiber.poll` (so no other
     thread can close the fiber, freeing those slots, meanwhile). Never raises: a failure to
     write becomes the guest's trap, as in the callbacks."""
-    waiting = _WAITING.pop(waiting_key)
+    waiting, fiber._wait = fiber._wait, None
     pending, function = waiting.pending, waiting.function
     try:
         if pending.failure is not None:
@@ -561,7 +561,7 @@ class Fiber:
     """
 
     # Slots: a scheduler touches every fiber's fields on every round; no per-fiber dict to fetch.
-    __slots__ = ("owner", "result", "trap", "trap_code", "exit_code", "error", "_deferred", "_waiting_key",
+    __slots__ = ("owner", "result", "trap", "trap_code", "exit_code", "error", "_deferred", "_wait",
                  "_flag", "_flag_address", "_store", "_collect", "_keep", "_trap_slot", "_error_slot", "_future")
 
     def __init__(self, store: wasmtime.Store, func: wasmtime.Func, args: Sequence[Value] = (),
@@ -608,7 +608,7 @@ class Fiber:
         self.exit_code: int | None = None
         self.error: BaseException | None = None
         self._deferred: BaseException | None = None
-        self._waiting_key = 0  # the host call it waits in, while it waits (a key of _WAITING)
+        self._wait: _Waiting | None = None  # the host call it waits in, while it waits
         flag = ctypes.create_string_buffer(2)  # see _FLAG_CONTINUATION
         self._flag, self._flag_address = memoryview(flag).cast("B"), ctypes.addressof(flag)
         self._store = store
@@ -629,9 +629,9 @@ class Fiber:
             return True
         outer, _polling.fiber = _polling.fiber, self
         try:
-            waiting = _WAITING.get(self._waiting_key)
-            if waiting is not None and waiting.flag is not None and waiting.pending.done:
-                _deliver(self._waiting_key)  # the guest resumes in this poll
+            waiting = self._wait
+            if waiting is not None and waiting.pending.done:
+                _deliver(self)  # the guest resumes in this poll
             finished = _future_poll(self._future)
         finally:
             _polling.fiber = outer
@@ -675,7 +675,10 @@ class Fiber:
                 _polling.fiber = outer
         _STORES_IN_CALL.discard(id(self._store))
         self._keep = self._collect = None
-        _forget_waiting(self._waiting_key)  # a wait this fiber was left in, if any
+        waiting, self._wait = self._wait, None  # a wait this fiber was left in, if any
+        if waiting is not None:
+            waiting.call._caller = None
+            waiting.pending.abandoned = not waiting.pending.done
         if self.result is None and self.trap is None:
             self.trap = "closed before it finished"
 
