@@ -4,6 +4,7 @@ import threading
 import time
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from guests import lip, wat
@@ -280,3 +281,36 @@ def test_symphony_run_streams_output_and_stats(stories_path):
     assert result.exit_code == 0, result.output
     assert result.output.startswith("Once upon a time, there was")
     assert "mean batch size" in result.output and "KV pages peak" in result.output
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+def test_distribution_lands_in_the_guests_buffer(tiny_engine, offset):
+    """A blocking pred's distribution lands in the guest's buffer, aligned or not, exactly as
+    the Python API returns it; pred returns the count."""
+    vocab = tiny_engine.loaded.config.vocab_size
+    out = 1024 + offset
+    guest = wat(f'''(module
+      (import "symphony" "kv_create" (func $kv_create (result i32)))
+      (import "symphony" "pred" (func $pred (param i32 i32 i32 i32 i32 i32 i32 i32) (result i32)))
+      (import "symphony" "send" (func $send (param i32 i32) (result i32)))
+      (memory (export "memory") 1)
+      (data (i32.const 16) "\\05\\00\\00\\00\\07\\00\\00\\00")
+      (func (export "_start") (local $kv i32)
+        (local.set $kv (call $kv_create))
+        (drop (call $send (i32.const 0) (call $pred (local.get $kv) (i32.const 16) (i32.const 0) (i32.const 1)
+                                                     (i32.const 0) (i32.const 0) (i32.const {out}) (i32.const {vocab}))))
+        (drop (call $send (i32.const {out}) (i32.const {4 * vocab})))
+        (drop (call $pred (local.get $kv) (i32.const 20) (i32.const 0) (i32.const 1) (i32.const 0) (i32.const 0)
+                          (i32.const {out}) (i32.const {vocab})))
+        (drop (call $send (i32.const {out}) (i32.const {4 * vocab})))))''')
+    with Runtime(tiny_engine) as runtime:
+        sent = []
+        proc = runtime.spawn(runtime.load(guest, "dist"), on_output=sent.append)
+        assert runtime.wait(proc, 30) == 0, proc.end_reason
+    assert len(sent[0]) == vocab  # send's length argument was pred's return value: the count
+    kv = tiny_engine.session()
+    handle = kv.create()
+    for got, token in zip(sent[1:], (5, 7)):
+        expected = tiny_engine.pred(kv, handle, [token], want=Distribution()).probs
+        assert torch.equal(torch.frombuffer(bytearray(got), dtype=torch.float32), expected)
+    kv.close_all()
