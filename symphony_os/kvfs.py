@@ -24,6 +24,7 @@ import enum
 import re
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -161,7 +162,7 @@ class KVFS:
         self._files: dict[int, KvFile] = {}
         self._names: dict[tuple[str, str], KvFile] = {}
         self._next_file_id = 1
-        self._protected: set[int] = set()
+        self._protected: Counter[int] = Counter()  # file id -> protect() blocks open on it
         self.evicted_files = 0
         self.swapped_out_pages = 0
         # Tenant -> most pages its files may hold; checked when a file grows (see pages_of).
@@ -263,14 +264,19 @@ class KVFS:
     def protect(self, files: list[KvFile]) -> Iterator[None]:
         """Within this block, the given files are not swapped out or evicted to make room (the
         lock is taken only to update the protected set, so a forward pass can run inside)."""
+        ids = [f.file_id for f in files]
         with self.lock:
-            added = {f.file_id for f in files} - self._protected
-            self._protected |= added
+            self._protected.update(ids)
         try:
             yield
         finally:
+            # Counted: a block that ends does not unprotect a file another block still holds
+            # (the engine's runs a whole forward pass without the lock).
             with self.lock:
-                self._protected -= added
+                self._protected.subtract(ids)
+                for file_id in ids:
+                    if self._protected[file_id] <= 0:
+                        del self._protected[file_id]
 
     def reserve_slots(self, file: KvFile, positions: list[int]) -> list[int]:
         """Make room for `len(positions)` new tokens at the end of `file` and return their flat

@@ -201,6 +201,8 @@ def _handler(name: str, blocking: bool):
     def handle(call, args):
         process: Process = call.fiber.owner
         hostcalls = process.hostcalls
+        # Core modules only (components have their own calls, component.py): Process.memory_for
+        # without the call once the process's own view exists.
         memory = process.memory if process.memory is not None else process.memory_for(call)
         outcome = hostcalls.dispatch(name, int, method, hostcalls, memory, *args)
         if isinstance(outcome, Block):

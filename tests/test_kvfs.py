@@ -326,6 +326,27 @@ def test_pool_pressure_swaps_open_files_and_swaps_them_back(fs):
     kv.close_all()
 
 
+def test_protection_is_counted_across_overlapping_blocks(fs):
+    """A file protected by two blocks stays protected until both end (the engine's block
+    spans a forward pass, without the lock, while another may start and end)."""
+    kv = fs.session()
+    idle = kv.create()
+    idle_marks = write(fs, kv, idle, 40)  # 10 pages, open but unused: swappable
+    file = kv.file_of(idle)
+    first, second = fs.protect([file]), fs.protect([file])
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # the first block ends while the second still runs
+    busy = kv.create()
+    with pytest.raises(PoolExhausted):  # the only pages to take are the protected file's
+        write(fs, kv, busy, 40)
+    assert kv.stat(idle).swapped_pages == 0
+    second.__exit__(None, None, None)
+    write(fs, kv, busy, 40)  # now they may go to the host
+    assert kv.stat(idle).swapped_pages == 4 and read(fs, kv, idle) == idle_marks
+    kv.close_all()
+
+
 def test_exhausted_pool_after_eviction_raises_and_keeps_data(fs):
     kv = fs.session()
     h = kv.create()
