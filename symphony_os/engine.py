@@ -128,8 +128,7 @@ class Engine:
             positions = list(positions)
             if len(positions) != len(tokens):
                 raise InvalidArgument(f"{len(tokens)} tokens but {len(positions)} positions")
-        if want is not GREEDY:
-            validate_want(want, vocab)
+        validate_want(want, vocab)
         request = PredRequest(session.take_for_pred(handle), tokens, positions, want)
         with self._queue_mutex:
             self.scheduler.add(request)
@@ -245,9 +244,8 @@ class Engine:
     def _finish_all(self, outcomes: list[tuple[PredRequest, PredResult | None, BaseException | None]]) -> None:
         """Take the requests out of the queue, release their files, complete their futures."""
         with self._queue_mutex:
-            waiting = self.scheduler.waiting  # scheduler.remove, inlined: a batch removes many
             for request, _, _ in outcomes:
-                del waiting[id(request)]
+                self.scheduler.remove(request)
         kvfs = self.kvfs
         with kvfs.lock:
             now = kvfs.clock()

@@ -276,19 +276,34 @@ class _HostFunction:
 class _Waiting:
     """A suspended host call: where its results or trap go once its Pending is done. The
     result and trap slots (addresses) belong to wasmtime and stay valid until the
-    continuation finishes. `flag`: the byte the continuation reads (see `_FLAG_CONTINUATION`),
-    None for a continuation that calls back into Python instead."""
+    continuation finishes."""
 
-    __slots__ = ("pending", "call", "function", "results", "trap_slot", "flag")
+    __slots__ = ("pending", "call", "function", "results", "trap_slot")
 
-    def __init__(self, pending: Pending, call: HostCall, function: _HostFunction, results: int, trap_slot: int,
-                 flag: memoryview | None = None):
+    def __init__(self, pending: Pending, call: HostCall, function: _HostFunction, results: int, trap_slot: int):
         self.pending = pending
         self.call = call
         self.function = function
         self.results = results
         self.trap_slot = trap_slot
-        self.flag = flag
+
+    def answer(self) -> None:
+        """Write the done Pending's results (or its trap) where wasmtime expects them. Never
+        raises: a failure to write becomes the guest's trap, as in the callbacks."""
+        pending, function = self.pending, self.function
+        try:
+            if pending.failure is not None:
+                _set_trap(self.trap_slot, _new_trap(pending.failure))
+            else:
+                function.results.write(self.results, pending.values, function.qualified_name)
+        except BaseException as error:
+            _set_trap(self.trap_slot, _trap_for(function, error))
+
+    def forget(self) -> None:
+        """The wait is over (answered, or its fiber closed): the call is no longer valid, and
+        an answer that never came marks the Pending abandoned."""
+        self.call._caller = None
+        self.pending.abandoned = not self.pending.done
 
 
 # Callback data crosses C as integer keys into these maps (never Python object pointers);
@@ -411,9 +426,8 @@ def _call_async(key, caller, args, nargs, results, nresults, trap_slot, continua
         if isinstance(outcome, Pending):
             fiber = call.fiber
             if fiber is not None:  # the fiber holds its one wait and forgets it when it ends
-                flag = fiber._flag
-                flag[0] = 0
-                fiber._wait = _Waiting(outcome, call, function, results, trap_slot, flag)
+                fiber._flag[0] = 0
+                fiber._wait = _Waiting(outcome, call, function, results, trap_slot)
                 _CONTINUATION.pack_into(_NATIVE, continuation, _FLAG_CONTINUATION, fiber._flag_address, 0)
                 if outcome.done:  # answered already: the guest runs on in this poll
                     _deliver(fiber)
@@ -439,16 +453,9 @@ def _continue_waiting(waiting_key) -> bool:
     """Polled by wasmtime each time the waiting guest's fiber is polled: True once its
     Pending is done, after writing the results (or the trap) where wasmtime expects them."""
     waiting = _WAITING[waiting_key]
-    try:
-        pending = waiting.pending
-        if not pending.done:
-            return False
-        if pending.failure is not None:
-            _set_trap(waiting.trap_slot, _new_trap(pending.failure))
-        else:
-            waiting.function.results.write(waiting.results, pending.values, waiting.function.qualified_name)
-    except BaseException as error:
-        _set_trap(waiting.trap_slot, _trap_for(waiting.function, error))
+    if not waiting.pending.done:
+        return False
+    waiting.answer()
     _forget_waiting(waiting_key)
     return True
 
@@ -456,27 +463,18 @@ def _continue_waiting(waiting_key) -> bool:
 def _deliver(fiber: "Fiber") -> None:
     """Write the done Pending's results (or trap) where wasmtime expects them, then raise the
     flag its continuation reads. Runs on the polling thread, inside `Fiber.poll` (so no other
-    thread can close the fiber, freeing those slots, meanwhile). Never raises: a failure to
-    write becomes the guest's trap, as in the callbacks."""
+    thread can close the fiber, freeing those slots, meanwhile). Never raises."""
     waiting, fiber._wait = fiber._wait, None
-    pending, function = waiting.pending, waiting.function
-    try:
-        if pending.failure is not None:
-            _set_trap(waiting.trap_slot, _new_trap(pending.failure))
-        else:
-            function.results.write(waiting.results, pending.values, function.qualified_name)
-    except BaseException as error:
-        _set_trap(waiting.trap_slot, _trap_for(function, error))
-    waiting.call._caller = None
-    waiting.flag[0] = 1  # wasmtime reads the results once it sees the flag
+    waiting.answer()
+    waiting.forget()
+    fiber._flag[0] = 1  # wasmtime reads the results once it sees the flag
 
 
 def _forget_waiting(waiting_key: int) -> None:
     """The wait is over: it finished, or its fiber was closed (wasmtime dropped the continuation)."""
     waiting = _WAITING.pop(waiting_key, None)
     if waiting is not None:
-        waiting.call._caller = None
-        waiting.pending.abandoned = not waiting.pending.done
+        waiting.forget()
 
 
 _forget_waiting_callback = _FINALIZER(_forget_waiting)
@@ -677,8 +675,7 @@ class Fiber:
         self._keep = self._collect = None
         waiting, self._wait = self._wait, None  # a wait this fiber was left in, if any
         if waiting is not None:
-            waiting.call._caller = None
-            waiting.pending.abandoned = not waiting.pending.done
+            waiting.forget()
         if self.result is None and self.trap is None:
             self.trap = "closed before it finished"
 

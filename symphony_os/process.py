@@ -214,7 +214,7 @@ class Process:
             return "ended"
 
     def _advance(self) -> str:
-        if self.exit_code is not None:  # self.finished, without a property call per round
+        if self.finished:
             return "ended"
         if self._kill_reason is None:
             self._kill_reason = self.usage.over_time(self.cpu_time_s)

@@ -25,7 +25,6 @@ from .program import Program, load_program, load_program_file
 from .tools import ToolRegistry, default_tools
 
 BLOCKING_CALLS = ("pred_wait", "pred", "recv")
-_get_ident = threading.get_ident
 EPOCH_INTERVAL_S = 0.01  # one epoch tick: a guest's time slice is a multiple of this
 
 
@@ -67,7 +66,7 @@ class Worker:
         """Queue `process` for this worker's next round (any thread). Wake-ups from the batch
         driver (completed preds) are only queued: the driver starts the next round once it has
         delivered all of them, so one round takes every process the batch released."""
-        driving = _get_ident() == self.driver.driving_thread  # self.driver.is_driving(), inlined
+        driving = self.driver.is_driving()
         with self._lock:
             queued = self._ready.get(process.pid)
             if queued is None or (queued[1] and not preempted):
@@ -201,10 +200,7 @@ def _handler(name: str, blocking: bool):
     def handle(call, args):
         process: Process = call.fiber.owner
         hostcalls = process.hostcalls
-        # Core modules only (components have their own calls, component.py): Process.memory_for
-        # without the call once the process's own view exists.
-        memory = process.memory if process.memory is not None else process.memory_for(call)
-        outcome = hostcalls.dispatch(name, int, method, hostcalls, memory, *args)
+        outcome = hostcalls.dispatch(name, int, method, hostcalls, process.memory_for(call), *args)
         if isinstance(outcome, Block):
             return process.block_on(outcome, call)
         return Ready((outcome,)) if blocking else (outcome,)

@@ -95,7 +95,7 @@ class BatchScheduler:
                 if budget == 0 or room == 0:
                     break
                 file_id = request.file.file_id
-                remaining = len(request.tokens) - request.done
+                remaining = request.remaining
                 if remaining != 1:
                     prefills = True
                 if file_id in busy_files or file_id in skipped_files or (remaining == 1) != decode_pass:
