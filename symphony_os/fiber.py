@@ -418,7 +418,7 @@ def _call_async(key, caller, args, nargs, results, nresults, trap_slot, continua
     """Runs a `define_async` handler and hands wasmtime a continuation: done now (results or
     trap already written) or a wait on a Pending. Never raises."""
     # First, so that no failure below can leave wasmtime without a continuation (it panics).
-    _CONTINUATION.pack_into(_NATIVE, continuation, *_READY)
+    _set_continuation(continuation, _READY)
     function, call = _FUNCTIONS.get(key), None
     try:
         call = HostCall(caller, _polling.fiber)
@@ -428,7 +428,7 @@ def _call_async(key, caller, args, nargs, results, nresults, trap_slot, continua
             if fiber is not None:  # the fiber holds its one wait and forgets it when it ends
                 fiber._flag[0] = 0
                 fiber._wait = _Waiting(outcome, call, function, results, trap_slot)
-                _CONTINUATION.pack_into(_NATIVE, continuation, _FLAG_CONTINUATION, fiber._flag_address, 0)
+                _set_continuation(continuation, (_FLAG_CONTINUATION, fiber._flag_address, 0))
                 if outcome.done:  # answered already: the guest runs on in this poll
                     _deliver(fiber)
             else:
