@@ -43,12 +43,25 @@ def test_parallel_decoding_matches_across_languages(runtime):
 
 @pytest.mark.parametrize("simd", [True, False], ids=["simd128", "scalar"])
 def test_c_sdk_argmax_is_torch_argmax(runtime, tmp_path, simd):
-    """sym_argmax: the first of equal maxima, as torch.argmax, on both of its code paths."""
+    """sym_argmax: the first of equal maxima (the first NaN, if any), as torch.argmax, on both of
+    its code paths: maxima in the first and the last block of sixteen, in the tail, at the ends."""
     program = build_c(ROOT / "tests" / "c_guests" / "argmax.c", tmp_path / "argmax.wasm", simd=simd)
     torch.manual_seed(0)
     arrays = [torch.rand(n) for n in (1, 3, 7, 8, 9, 4096, 24_577)]
     arrays += [torch.zeros(13), -torch.rand(100), torch.tensor([1.0, 5, 2, 5, 5, 0, 5, 1, 1]),
                torch.tensor([0.0] * 9 + [2, 0, 2, 2]), torch.tensor([3.0, 1, 1, 1, 1, 1, 1, 1, 3, 3])]
+    for n in (16, 17, 35, 24_576):
+        for where in sorted({0, 1, 15, 16, n // 2, n - 17, n - 2, n - 1} & set(range(n))):
+            values = torch.rand(n)
+            values[where] = 2.0
+            values[min(where + 5, n - 1)] = 2.0  # a tie after it: the first one counts
+            arrays.append(values)
+    nan = float("nan")
+    arrays += [torch.tensor([1.0] * 20 + [nan] + [5.0] * 3), torch.tensor([nan] + [1.0] * 40),
+               torch.tensor([1.0] * 39 + [nan]), torch.tensor([0.0, 9, nan, 9, nan]),
+               torch.tensor([-0.0] * 3 + [0.0] * 30), torch.tensor([0.0] + [-0.0] * 30),
+               torch.full((40,), float("-inf")), torch.tensor([float("-inf")] * 30 + [-1e30] + [float("-inf")] * 5),
+               torch.tensor([1.0] * 18 + [float("inf")] + [2.0] * 20)]
     out = []
     process = runtime.spawn(runtime.load(program), on_output=out.append)
     for values in arrays:
