@@ -85,7 +85,8 @@ class PoolExhausted(SymphonyError):
 
 
 class FileBusy(SymphonyError):
-    """The file has a `pred` in flight; truncating or removing it now would race that write."""
+    """The file has a `pred` in flight; truncating or copying it (fork, extract, merge) now would
+    race that write."""
 
     code = ErrorCode.FILE_BUSY
 

@@ -148,6 +148,13 @@ class _Handle:
     writable: bool
 
 
+def _refuse_busy(file: KvFile, doing: str) -> None:
+    """FileBusy while `file` has a pred in flight: its length changes once the pred is scheduled
+    (and back, if it fails), and its newest tokens' KV is written only by the forward pass."""
+    if file.inflight:
+        raise FileBusy(f"the file has a pred in flight; wait for it before {doing}")
+
+
 class KVFS:
     """The KV file system over one pool: files, names, eviction and swapping.
 
@@ -388,8 +395,10 @@ class KVFS:
         return file.pages  # type: ignore[return-value]
 
     def copy_range(self, src: KvFile, start: int, end: int, dst: KvFile) -> None:
-        """Append src's tokens [start, end) to dst, sharing whole pages where alignment allows."""
+        """Append src's tokens [start, end) to dst, sharing whole pages where alignment allows.
+        FileBusy while src has a pred in flight."""
         page_size = self.pool.page_size
+        _refuse_busy(src, "copying from it")
         if end <= start:
             return
         # Protected from the start: making src resident may reclaim, and either may be a closed
@@ -423,8 +432,7 @@ class KVFS:
     def truncate_file(self, file: KvFile, length: int) -> None:
         if length < 0 or length > file.length:
             raise InvalidArgument(f"truncate to {length}: the file has {file.length} tokens")
-        if file.inflight:
-            raise FileBusy("the file has a pred in flight; wait for it before truncating")
+        _refuse_busy(file, "truncating")
         self.shrink(file, length)
 
     def shrink(self, file: KvFile, length: int) -> None:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from symphony_os.engine import Engine
-from symphony_os.errors import BadHandle, InvalidArgument, PoolExhausted, PositionError, ReadOnlyFile
+from symphony_os.errors import BadHandle, FileBusy, InvalidArgument, PoolExhausted, PositionError, ReadOnlyFile
 from symphony_os.kvfs import OpenFlags
 from symphony_os.model_runner import ARGMAX_ROWS
 from symphony_os.sampling import Distribution, GreedyEach, Sample, TopK
@@ -189,6 +189,29 @@ def test_closing_a_handle_mid_flight_still_answers_and_frees(tiny_engine):
     kv.close(h)
     tiny_engine.run_until_idle()
     assert future.result().token is not None
+    assert tiny_engine.pool.stats().used == 0
+
+
+@pytest.mark.parametrize("copy", ["fork", "extract", "merge first", "merge second"])
+def test_copying_a_file_with_a_pred_in_flight_is_busy(tiny_engine, copy):
+    """fork / extract / merge read the file's KV, which an unanswered pred has not written yet
+    (and would leave missing if it failed): refused until it is answered, then as usual."""
+    kv = tiny_engine.session()
+    h, other = kv.create(), kv.create()
+    tiny_engine.pred(kv, other, [1, 7])
+    future = tiny_engine.submit(kv, h, PROMPTS[0])
+    attempt = {"fork": lambda: kv.fork(h), "extract": lambda: kv.extract(h, 0, kv.len(h)),
+               "merge first": lambda: kv.merge(h, other), "merge second": lambda: kv.merge(other, h)}[copy]
+    handles, used = kv.open_handles, tiny_engine.pool.stats().used
+    with pytest.raises(FileBusy):
+        attempt()
+    assert kv.open_handles == handles and tiny_engine.pool.stats().used == used  # nothing left behind
+    tiny_engine.run_until_idle()
+    assert future.result().token is not None
+    copied = attempt()
+    expected = len(PROMPTS[0]) + (2 if copy.startswith("merge") else 0)
+    assert kv.len(copied) == expected
+    kv.close_all()
     assert tiny_engine.pool.stats().used == 0
 
 

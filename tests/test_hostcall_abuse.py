@@ -25,6 +25,9 @@ CASES = [
     ("kv_extract", ["KV", 5, 2], E.INVALID_ARGUMENT), ("kv_extract", ["KV", NEG, 0], E.INVALID_ARGUMENT),
     ("kv_extract", ["STALE", 0, 0], E.BAD_HANDLE),
     ("kv_merge", ["KV", 12345], E.BAD_HANDLE),
+    # KV has a pred in flight (TICKET): its length and KV are not settled, so no copy of it
+    ("kv_fork", ["KV"], E.FILE_BUSY), ("kv_extract", ["KV", 0, 0], E.FILE_BUSY), ("kv_merge", ["KV", "KV"], E.FILE_BUSY),
+    ("kv_truncate", ["KV", 0], E.FILE_BUSY),
     ("kv_truncate", ["KV", 99999], E.INVALID_ARGUMENT), ("kv_truncate", ["KV", NEG], E.INVALID_ARGUMENT),
     ("kv_hint", ["KV", 8, 0, 0], E.INVALID_ARGUMENT), ("kv_hint", ["STALE", 1, 0, 0], E.BAD_HANDLE),
     ("kv_open", [OOB, 100, 0], E.BAD_POINTER), ("kv_open", [NEG, 4, 0], E.BAD_POINTER),
