@@ -148,7 +148,7 @@ class _Handle:
     writable: bool
 
 
-def _refuse_busy(file: KvFile, doing: str) -> None:
+def refuse_busy(file: KvFile, doing: str) -> None:
     """FileBusy while `file` has a pred in flight: its length changes once the pred is scheduled
     (and back, if it fails), and its newest tokens' KV is written only by the forward pass."""
     if file.inflight:
@@ -397,8 +397,8 @@ class KVFS:
     def copy_range(self, src: KvFile, start: int, end: int, dst: KvFile) -> None:
         """Append src's tokens [start, end) to dst, sharing whole pages where alignment allows.
         FileBusy while src has a pred in flight."""
+        refuse_busy(src, "copying from it")
         page_size = self.pool.page_size
-        _refuse_busy(src, "copying from it")
         if end <= start:
             return
         # Protected from the start: making src resident may reclaim, and either may be a closed
@@ -432,7 +432,7 @@ class KVFS:
     def truncate_file(self, file: KvFile, length: int) -> None:
         if length < 0 or length > file.length:
             raise InvalidArgument(f"truncate to {length}: the file has {file.length} tokens")
-        _refuse_busy(file, "truncating")
+        refuse_busy(file, "truncating")
         self.shrink(file, length)
 
     def shrink(self, file: KvFile, length: int) -> None:

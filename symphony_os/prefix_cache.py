@@ -23,8 +23,8 @@ import hashlib
 import struct
 from dataclasses import dataclass, field
 
-from .errors import FileBusy, InvalidArgument
-from .kvfs import KVFS, KvSession
+from .errors import InvalidArgument
+from .kvfs import KVFS, KvSession, refuse_busy
 
 OWNER_SUFFIX = ":prefix"
 
@@ -77,8 +77,7 @@ class PrefixCache:
         fs, page_size = self.fs, self.fs.pool.page_size
         with fs.lock:
             file = session.file_of(handle)
-            if file.inflight:
-                raise FileBusy("the file has a pred in flight; wait for it before caching its prefix")
+            refuse_busy(file, "caching its prefix")
             if file.length != len(tracked.ids) or (file.length and file.runs != [(0, 0)]):
                 raise InvalidArgument("only a file opened by kv_open_prefix and appended to at positions "
                                       "0, 1, 2, ... can be cached")
