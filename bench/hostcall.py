@@ -236,8 +236,8 @@ def main() -> None:
             # The ratios pair the runs of one repeat (back to back) and take the median of those:
             # a slow phase of the VM that spans a repeat cancels out. The JSON also has the ratios
             # of the medians and of the best runs (noise here only ever adds time).
-            row = dict(batch=batch, tokens=tokens, repeats=real_repeats, api_tok_s=tokens / api_s, lip_tok_s=tokens / lip_s,
-                       api_same_work_tok_s=tokens / same_work_s,
+            row = dict(batch=batch, tokens=tokens, repeats=real_repeats, api_tok_s=tokens / api_s,
+                       lip_tok_s=tokens / lip_s, api_same_work_tok_s=tokens / same_work_s,
                        ratio=statistics.median(a / b for a, b in zip(times["api"], times["lip"])),
                        ratio_same_work=statistics.median(a / b for a, b in zip(times["same_work"], times["lip"])),
                        ratio_of_medians=api_s / lip_s, ratio_same_work_of_medians=same_work_s / lip_s,
@@ -266,8 +266,9 @@ def main() -> None:
         print(f"{r['config']:>10} | {r['calls']:>23} | {r['processes']:>9} | {r['us_per_process_round']:>16.1f} | "
               f"{r['us_per_process_round_best']:>10.1f} | {r['mean_batch_size']:>10.0f}")
     print(f"\nhello processes vs the engine's Python API, 50M random Llama, float32 CPU, {new_tokens} new tokens, "
-          f"median of {real_repeats}; ratios: median of the paired runs' (target ratio >= 0.95). 'API' is host greedy; 'API, hello's work' also takes the full "
-          "distribution, its argmax and a detokenize per token, as hello does")
+          f"median of {real_repeats}; ratios: median of the paired runs' (target ratio >= 0.95). 'API' is host "
+          "greedy; 'API, hello's work' also takes the full distribution, its argmax and a detokenize per token, "
+          "as hello does")
     print(f"{'batch':>5} | {'LIP tok/s':>9} | {'API tok/s':>9} | {'ratio':>5} | {'API, hello work':>15} | "
           f"{'ratio':>5} | identical")
     for r in real_rows:
