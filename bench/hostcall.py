@@ -18,7 +18,9 @@
    paired ratio (its runs are back to back, so a slow phase of the VM, +-15% per run, slows
    both sides of a pair: the ratio of medians, also in the JSON, pairs runs from different
    phases). A second table has each path's host time per token outside the engine's forward pass and
-   sampling: what the runtime's code decides, and steadier than the ratios.
+   sampling: what the runtime's code decides, and steadier than the ratios; with the forward time
+   all paths share (the same batches: the median over every run), it gives the ratios again,
+   free of the noise in the forward passes.
 
     python bench/hostcall.py [--quick]
 
@@ -223,16 +225,21 @@ def main() -> None:
                     "same_work": lambda: api_decode(engine, ids, new_tokens, like_hello=True),
                     "lip": lambda: lip_decode(engine, hello, text_prompts, new_tokens)}
             times, outside, outputs = {name: [] for name in runs}, {name: [] for name in runs}, {}
+            forward = []  # the engine's forward + sampling time of every run, all paths
             for repeat in range(real_repeats):
                 for name in (list(runs) if repeat % 2 == 0 else list(reversed(runs))):
                     forward_before = engine.stats().forward_s
                     seconds, outputs[name] = runs[name]()
                     times[name].append(seconds)
-                    outside[name].append(seconds - (engine.stats().forward_s - forward_before))
+                    forward.append(engine.stats().forward_s - forward_before)
+                    outside[name].append(seconds - forward[-1])
             api_out, lip_out = outputs["api"], outputs["lip"]
             same = sum(lip == engine.detokenize(p + o) + "\n" for lip, p, o in zip(lip_out, ids, api_out))
             tokens = sum(len(o) for o in api_out)
             api_s, same_work_s, lip_s = (statistics.median(times[name]) for name in ("api", "same_work", "lip"))
+            # The paths run the same batches: with the forward time they share (the median of
+            # all runs), their host times give the ratio the VM's noise hides from the others.
+            shared_forward, host = statistics.median(forward), {name: statistics.median(outside[name]) for name in runs}
             # The ratios pair the runs of one repeat (back to back) and take the median of those:
             # a slow phase of the VM that spans a repeat cancels out. The JSON also has the ratios
             # of the medians and of the best runs (noise here only ever adds time).
@@ -242,13 +249,16 @@ def main() -> None:
                        ratio_same_work=statistics.median(a / b for a, b in zip(times["same_work"], times["lip"])),
                        ratio_of_medians=api_s / lip_s, ratio_same_work_of_medians=same_work_s / lip_s,
                        ratio_of_best=min(times["api"]) / min(times["lip"]),
+                       ratio_from_host_time=(shared_forward + host["api"]) / (shared_forward + host["lip"]),
+                       ratio_same_work_from_host_time=(shared_forward + host["same_work"])
+                       / (shared_forward + host["lip"]),
+                       forward_us_per_token=1e6 * shared_forward / tokens,
                        ratio_same_work_of_best=min(times["same_work"]) / min(times["lip"]),
                        identical_outputs=f"{same}/{batch}",
                        seconds={name: times[name] for name in runs},
                        # Host time per token outside the engine's forward + sampling (EngineStats.forward_s):
                        # the part of each path the runtime's code decides, steadier than the ratios.
-                       us_per_token_outside_forward={name: 1e6 * statistics.median(outside[name]) / tokens
-                                                     for name in runs})
+                       us_per_token_outside_forward={name: 1e6 * host[name] / tokens for name in runs})
             real_rows.append(row)
             spent = row["us_per_token_outside_forward"]
             print(f"hello x{batch}: {row['lip_tok_s']:.1f} tok/s vs API {row['api_tok_s']:.1f} ({row['ratio']:.3f}), "
@@ -274,11 +284,16 @@ def main() -> None:
     for r in real_rows:
         print(f"{r['batch']:>5} | {r['lip_tok_s']:>9.1f} | {r['api_tok_s']:>9.1f} | {r['ratio']:>5.3f} | "
               f"{r['api_same_work_tok_s']:>15.1f} | {r['ratio_same_work']:>5.3f} | {r['identical_outputs']}")
-    print("\nHost time per token outside the engine's forward pass and sampling, us (median of the same runs)")
-    print(f"{'batch':>5} | {'LIP':>6} | {'API':>6} | {'API, hello work':>15}")
+    print("\nHost time per token outside the engine's forward pass and sampling, us (median of the same runs; a "
+          "distribution's softmax, taken when it is read, is outside), and the ratios it gives with the forward "
+          "time the paths share")
+    print(f"{'batch':>5} | {'forward':>7} | {'LIP':>6} | {'API':>6} | {'API, hello work':>15} | {'ratio':>5} | "
+          f"{'ratio, hello work':>17}")
     for r in real_rows:
         spent = r["us_per_token_outside_forward"]
-        print(f"{r['batch']:>5} | {spent['lip']:>6.0f} | {spent['api']:>6.0f} | {spent['same_work']:>15.0f}")
+        print(f"{r['batch']:>5} | {r['forward_us_per_token']:>7.0f} | {spent['lip']:>6.0f} | {spent['api']:>6.0f} | "
+              f"{spent['same_work']:>15.0f} | {r['ratio_from_host_time']:>5.3f} | "
+              f"{r['ratio_same_work_from_host_time']:>17.3f}")
     RESULTS.mkdir(exist_ok=True)
     out = dict(benchmark="hostcall", device="cpu", cpu=platform.processor() or platform.machine(),
                torch_threads=torch.get_num_threads(), null_model=null_rows, hello_vs_api=real_rows,

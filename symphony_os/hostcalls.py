@@ -327,10 +327,14 @@ class HostCalls:
         if isinstance(want, Sample):
             return result.token
         if isinstance(want, Distribution):
-            vocab = result.probs.numel()
+            vocab = result.vocab_size
             if cap < vocab:
                 return None
-            mem.write_tensor(out_ptr, result.probs)
+            out = mem.f32_tensor(out_ptr, vocab)
+            if out is None:  # not aligned for float32s: through a tensor of its own
+                mem.write_tensor(out_ptr, result.probs)
+            else:
+                result.write_probs(out)
             return vocab
         if isinstance(want, TopK):
             k = len(result.top_ids)

@@ -70,7 +70,9 @@ GREEDY = Sample()  # the default: shared, since building a Sample costs more tha
 class PredResult:
     """The answer to one `pred` request; only the fields its `want` asked for are set.
 
-    A distribution computed on a GPU stays there (`distribution`) until `probs` is read.
+    A distribution computed on a GPU stays there (`distribution`) until `probs` is read; on the
+    host it is not computed until asked for (`logits` holds the row): `write_probs` then takes
+    the softmax straight into its destination, a LIP's memory, with no tensor in between.
     """
 
     token: int | None = None
@@ -78,13 +80,32 @@ class PredResult:
     top_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
     distribution: torch.Tensor | None = None
+    logits: torch.Tensor | None = None  # a host Distribution's logits row, until its softmax is taken
 
     @property
     def probs(self) -> torch.Tensor | None:
         """The distribution as a float32 CPU tensor (copied from the device on first read)."""
-        if self.distribution is not None and self.distribution.device.type != "cpu":
+        if self.distribution is None:
+            if self.logits is not None:
+                self.distribution, self.logits = torch.softmax(self.logits, dim=-1), None
+        elif self.distribution.device.type != "cpu":
             self.distribution = self.distribution.cpu()
         return self.distribution
+
+    @property
+    def vocab_size(self) -> int:
+        """The length of the distribution (without computing it)."""
+        return (self.logits if self.distribution is None else self.distribution).numel()
+
+    def write_probs(self, out: torch.Tensor) -> None:
+        """Write the distribution into `out`, a float32 host tensor of `vocab_size`: the host's
+        softmax straight into it, or one copy from the device (measured on the CPU, 24,576
+        floats, caches cold as after a forward pass: 139 us against 151 for a softmax into a
+        tensor of its own and a copy of that)."""
+        if self.distribution is None:
+            torch.softmax(self.logits, dim=-1, out=out)
+        else:
+            out.copy_(self.distribution)
 
 
 def validate_want(want: Want, vocab_size: int) -> None:
@@ -151,7 +172,7 @@ def process_logits_reference(logits: torch.Tensor, wants: list[Want],
     log_probs = greedy = None
     for row, want in enumerate(wants):
         if isinstance(want, Distribution):
-            results.append(PredResult(distribution=torch.softmax(logits[row], dim=-1).cpu()))
+            results.append(PredResult(logits=logits[row]))  # softmax when asked: PredResult.probs
         elif isinstance(want, TopK):
             if log_probs is None:
                 log_probs = torch.log_softmax(logits, dim=-1)

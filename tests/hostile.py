@@ -179,7 +179,7 @@ CORPUS: dict[str, Hostile] = {
                                  E.INVALID_ARGUMENT)),
     "wild pointers on every call": Hostile(abusive_module, exit_code=0,
                                            sends=lambda got: got[:len(ABUSE_CASES)] == [int(c[2]) for c in ABUSE_CASES]),
-    "positions out of order": Hostile(lambda: guest(f"""(local.set $h (call $kv_create))
+    "positions out of order": Hostile(lambda: guest("""(local.set $h (call $kv_create))
         (i32.store (i32.const 64) (i32.const 5)) (i32.store (i32.const 68) (i32.const 3))
         (i32.store (i32.const 72) (i32.const -4))""" + report(
         f"(call $pred_wait (call $pred_submit (local.get $h) (i32.const {IDS}) (i32.const 64) (i32.const 2) (i32.const 2) "

@@ -1,6 +1,5 @@
 """LIPs run: the example programs against the engine's Python API, concurrency, preemption,
 killing, and refusing bad modules."""
-import threading
 import time
 
 import pytest
@@ -311,6 +310,38 @@ def test_distribution_lands_in_the_guests_buffer(tiny_engine, offset):
     kv = tiny_engine.session()
     handle = kv.create()
     for got, token in zip(sent[1:], (5, 7)):
+        expected = tiny_engine.pred(kv, handle, [token], want=Distribution()).probs
+        assert torch.equal(torch.frombuffer(bytearray(got), dtype=torch.float32), expected)
+    kv.close_all()
+
+
+def test_distribution_lands_in_memory_the_guest_grew(tiny_engine):
+    """The host writes a distribution straight into guest memory: after the guest grows its
+    memory, the next one lands in the new pages (and the old buffer keeps the first one)."""
+    vocab = tiny_engine.loaded.config.vocab_size
+    grown = 65536 + 512  # in the page that memory.grow adds
+    guest = wat(f'''(module
+      (import "symphony" "kv_create" (func $kv_create (result i32)))
+      (import "symphony" "pred" (func $pred (param i32 i32 i32 i32 i32 i32 i32 i32) (result i32)))
+      (import "symphony" "send" (func $send (param i32 i32) (result i32)))
+      (memory (export "memory") 1)
+      (data (i32.const 16) "\\05\\00\\00\\00\\07\\00\\00\\00")
+      (func (export "_start") (local $kv i32)
+        (local.set $kv (call $kv_create))
+        (drop (call $pred (local.get $kv) (i32.const 16) (i32.const 0) (i32.const 1) (i32.const 0) (i32.const 0)
+                          (i32.const 1024) (i32.const {vocab})))
+        (drop (memory.grow (i32.const 1)))
+        (drop (call $pred (local.get $kv) (i32.const 20) (i32.const 0) (i32.const 1) (i32.const 0) (i32.const 0)
+                          (i32.const {grown}) (i32.const {vocab})))
+        (drop (call $send (i32.const 1024) (i32.const {4 * vocab})))
+        (drop (call $send (i32.const {grown}) (i32.const {4 * vocab})))))''')
+    with Runtime(tiny_engine) as runtime:
+        sent = []
+        proc = runtime.spawn(runtime.load(guest, "grow"), on_output=sent.append)
+        assert runtime.wait(proc, 30) == 0, proc.end_reason
+    kv = tiny_engine.session()
+    handle = kv.create()
+    for got, token in zip(sent, (5, 7)):
         expected = tiny_engine.pred(kv, handle, [token], want=Distribution()).probs
         assert torch.equal(torch.frombuffer(bytearray(got), dtype=torch.float32), expected)
     kv.close_all()

@@ -81,3 +81,22 @@ def test_distribution_stays_on_the_device_until_read():
     (result,) = process_logits_batched(random_logits(1).to(DEVICE), [Distribution()], torch.Generator())
     assert result.distribution.is_cuda
     assert result.probs.device.type == "cpu" and abs(float(result.probs.sum()) - 1) < 1e-5
+
+
+@pytest.mark.parametrize("path", ["reference", "batched"])
+def test_write_probs_writes_the_distribution_into_a_host_buffer(path):
+    """What a LIP's pred gets: `write_probs` fills a host buffer (a view of guest memory) with
+    exactly `probs`, whether the softmax is still to be taken (the host path) or was taken on
+    the device; `vocab_size` is known without taking it."""
+    logits = random_logits(2, seed=4)
+    process = process_logits_reference if path == "reference" else process_logits_batched
+    results = process(logits.to(DEVICE) if path == "batched" else logits, [Distribution(), Distribution()],
+                      torch.Generator())
+    memory = torch.full((2 * VOCAB + 8,), -1.0)
+    for row, result in enumerate(results):
+        assert result.vocab_size == VOCAB
+        result.write_probs(memory[4 + row * VOCAB:4 + (row + 1) * VOCAB])
+    assert torch.equal(memory[:4], torch.full((4,), -1.0)) and torch.equal(memory[-4:], torch.full((4,), -1.0))
+    for row, result in enumerate(results):
+        assert torch.equal(memory[4 + row * VOCAB:4 + (row + 1) * VOCAB], result.probs)
+        torch.testing.assert_close(result.probs, torch.softmax(logits[row], dim=-1), rtol=0, atol=1e-6)
