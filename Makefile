@@ -48,11 +48,17 @@ rust-toolchain:
 lips/rust/%.wasm: lips/rust/%.rs guest_sdk/rust/symphony.rs | rust-toolchain
 	$(RUSTC) $< -o $@
 
+tests/rust_guests/%.wasm: tests/rust_guests/%.rs guest_sdk/rust/symphony.rs | rust-toolchain
+	$(RUSTC) $< -o $@
+
 $(ASC): guest_sdk/assemblyscript/package.json
 	cd guest_sdk/assemblyscript && npm install --no-audit --no-fund
 	touch $@
 
 lips/as/%.wasm: lips/as/%.ts guest_sdk/assemblyscript/symphony.ts $(ASC)
+	$(ASC) $< $(ASC_FLAGS) -o $@
+
+tests/as_guests/%.wasm: tests/as_guests/%.ts guest_sdk/assemblyscript/symphony.ts $(ASC)
 	$(ASC) $< $(ASC_FLAGS) -o $@
 
 # Python (lips/python/) as components, with componentize-py from the dev extra (5-20 s each).

@@ -44,9 +44,21 @@ def build_with_make(program: Path, toolchain: str) -> Path:
     return program
 
 
+RUST, ASSEMBLYSCRIPT = "Rust (rustc + libstd-rust-dev-wasm32)", "AssemblyScript (npm assemblyscript)"
+
+
 def rust_lip(name: str) -> Path:
-    return build_with_make(ROOT / "lips" / "rust" / f"{name}.wasm", "Rust (rustc + libstd-rust-dev-wasm32)")
+    return build_with_make(ROOT / "lips" / "rust" / f"{name}.wasm", RUST)
 
 
 def as_lip(name: str) -> Path:
-    return build_with_make(ROOT / "lips" / "as" / f"{name}.wasm", "AssemblyScript (npm assemblyscript)")
+    return build_with_make(ROOT / "lips" / "as" / f"{name}.wasm", ASSEMBLYSCRIPT)
+
+
+def rust_test_guest(name: str) -> Path:
+    """tests/rust_guests/NAME.wasm (a test's own program), as rust_lip."""
+    return build_with_make(ROOT / "tests" / "rust_guests" / f"{name}.wasm", RUST)
+
+
+def as_test_guest(name: str) -> Path:
+    return build_with_make(ROOT / "tests" / "as_guests" / f"{name}.wasm", ASSEMBLYSCRIPT)

@@ -1,9 +1,9 @@
 """The SDKs: the Rust and AssemblyScript programs, built with the real toolchains, compute the
-same tokens as the C ones; the C SDK's helpers agree with torch."""
+same tokens as the C ones; the SDKs' helpers agree with torch."""
 import pytest
 import torch
 
-from guests import ROOT, as_lip, build_c, lip, rust_lip
+from guests import ROOT, as_lip, as_test_guest, build_c, lip, rust_lip, rust_test_guest
 from symphony_os.engine import Engine
 from symphony_os.runtime import Runtime
 
@@ -41,11 +41,20 @@ def test_parallel_decoding_matches_across_languages(runtime):
     assert outputs["rust"] == outputs["c"] == outputs["assemblyscript"]
 
 
-@pytest.mark.parametrize("simd", [True, False], ids=["simd128", "scalar"])
-def test_c_sdk_argmax_is_torch_argmax(runtime, tmp_path, simd):
-    """sym_argmax: the first of equal maxima (the first NaN, if any), as torch.argmax, on both of
-    its code paths: maxima in the first and the last block of sixteen, in the tail, at the ends."""
-    program = build_c(ROOT / "tests" / "c_guests" / "argmax.c", tmp_path / "argmax.wasm", simd=simd)
+ARGMAX_GUESTS = {  # each reads float32 arrays (a message each) and sends back its SDK's argmax
+    "c-simd128": lambda tmp: build_c(ROOT / "tests" / "c_guests" / "argmax.c", tmp / "argmax.wasm"),
+    "c-scalar": lambda tmp: build_c(ROOT / "tests" / "c_guests" / "argmax.c", tmp / "argmax.wasm", simd=False),
+    "rust": lambda tmp: rust_test_guest("argmax"),
+    "assemblyscript": lambda tmp: as_test_guest("argmax"),
+}
+
+
+@pytest.mark.parametrize("sdk", ARGMAX_GUESTS)
+def test_sdk_argmax_is_torch_argmax(runtime, tmp_path, sdk):
+    """Each SDK's argmax helper (C's sym_argmax on its SIMD and scalar paths): the first of equal
+    maxima, the first NaN if there is one, as torch.argmax; maxima in the first and the last
+    block of sixteen, in the tail, at the ends. (Python guests ask the host: component.py.)"""
+    program = ARGMAX_GUESTS[sdk](tmp_path)
     torch.manual_seed(0)
     arrays = [torch.rand(n) for n in (1, 3, 7, 8, 9, 4096, 24_577)]
     arrays += [torch.zeros(13), -torch.rand(100), torch.tensor([1.0, 5, 2, 5, 5, 0, 5, 1, 1]),

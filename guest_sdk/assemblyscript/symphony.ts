@@ -304,10 +304,15 @@ export class Ticket {
   }
 }
 
-/** The index of the largest probability (the first one on ties). */
+/** The index of the largest probability (the first one on ties; the first NaN if there is one,
+ *  as torch.argmax and the C SDK's sym_argmax). */
 export function argmax(probs: Float32Array): i32 {
   let best = 0;
-  for (let i = 1; i < probs.length; i++) if (probs[i] > probs[best]) best = i;
+  for (let i = 0; i < probs.length; i++) {
+    const p = probs[i];
+    if (isNaN(p)) return i;
+    if (p > probs[best]) best = i;
+  }
   return best;
 }
 

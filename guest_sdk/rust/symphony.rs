@@ -349,10 +349,13 @@ impl Ticket {
     }
 }
 
-/// The index of the largest probability (the first one on ties).
+/// The index of the largest probability (the first one on ties; the first NaN if there is one).
 pub fn argmax(probs: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &p) in probs.iter().enumerate() {
+        if p.is_nan() {
+            return i as u32; // as torch.argmax and the C SDK's sym_argmax: a NaN is the maximum
+        }
         if p > probs[best] {
             best = i;
         }
