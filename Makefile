@@ -97,4 +97,4 @@ bench-engine: install
 	$(PY) bench/engine.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info lips/*.wasm lips/*/*.wasm guest_sdk/assemblyscript/node_modules
+	rm -rf $(VENV) build *.egg-info lips/*.wasm lips/*/*.wasm tests/*_guests/*.wasm guest_sdk/assemblyscript/node_modules
