@@ -32,6 +32,17 @@ BENCH_SHAPE = dict(vocab_size=24576, hidden_size=512, intermediate_size=1536, nu
                    tie_word_embeddings=False)
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), for results taken on more than one kind of VM."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def make_model(directory: Path, dtype: torch.dtype) -> None:
     build_random_model(directory, "llama", seed=0, dtype=dtype, **BENCH_SHAPE)
 
@@ -130,7 +141,7 @@ def main() -> None:
         print(f"{r['batch']:>5} | {r['engine_decode_tok_s']:>12.1f} | {r['transformers_decode_tok_s']:>9.1f} | "
               f"{r['decode_ratio']:>5.2f} | {r['engine_prefill_tok_s']:>13.1f} | {r['transformers_prefill_tok_s']:>10.1f} | "
               f"{r['prefill_ratio']:>5.2f} | {r['sequences_with_identical_tokens']}")
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     out = dict(
         benchmark="engine", device=str(device), device_name=device_name, torch_threads=torch.get_num_threads(),
         dtype=str(dtype), params=params, shape=BENCH_SHAPE, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
