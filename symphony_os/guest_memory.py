@@ -1,4 +1,5 @@
-"""Checked access to a guest's linear memory: the only place host code touches guest bytes.
+"""Checked access to a guest's linear memory: the only place host code reaches guest bytes
+(reads, writes, and tensors over a checked range for torch to write a result into).
 
 Every (pointer, length) pair is validated against the memory's size before use. Our wasm
 engine never moves a memory (`make_async_engine` sets memory_may_move off) and a wasm memory
@@ -28,20 +29,18 @@ class GuestMemory:
     past the size known so far. Bytes move through a memoryview of the memory (no foreign
     call: ctypes' string_at / memmove cost 0.4-0.6 us each here, a slice 0.05)."""
 
-    __slots__ = ("_locate", "_base", "_size", "_view", "_floats")
+    __slots__ = ("_locate", "_base", "_size", "_view")
 
     def __init__(self, locate: Callable[[], tuple[int, int]]):
         self._locate = locate
         self._base = 0
         self._size = -1  # not located yet
         self._view = memoryview(b"")
-        self._floats: torch.Tensor | None = None  # the memory as float32s, made when first asked for
 
     def _relocate(self) -> None:
         self._base, self._size = self._locate()
         array = (ctypes.c_char * self._size).from_address(self._base) if self._size else b""
         self._view = memoryview(array).cast("B")
-        self._floats = None
 
     def check(self, ptr: int, length: int) -> None:
         """Raise BadPointer unless [ptr, ptr + length) lies inside memory (an output buffer the
@@ -89,15 +88,14 @@ class GuestMemory:
         self.write(ptr, struct.pack(f"<{len(values)}f", *values))
 
     def f32_tensor(self, ptr: int, count: int) -> torch.Tensor | None:
-        """The guest's float32s [ptr, ptr + 4 * count) as a tensor sharing its memory, for a
-        host op to write its result into directly (while the guest is suspended: a tensor is
-        valid only until the memory grows); None when `ptr` is not 4-aligned."""
+        """The guest's float32s [ptr, ptr + 4 * count) as a tensor over exactly those bytes, for
+        a host op to write its result into (`out=`; an op that would resize it raises, it cannot
+        reach past the range); None when `ptr` is not 4-aligned or `count` is 0. Use it while
+        the guest is suspended, at once: it shares the guest's memory."""
         self.check(ptr, 4 * count)
         if ptr % 4 or not count:
             return None
-        if self._floats is None:
-            self._floats = torch.frombuffer(self._view, dtype=torch.float32, count=self._size // 4)
-        return self._floats[ptr // 4:ptr // 4 + count]
+        return torch.frombuffer(self._view[ptr:ptr + 4 * count], dtype=torch.float32)
 
     def write_tensor(self, ptr: int, tensor: torch.Tensor) -> None:
         """Copy a contiguous CPU tensor's bytes (e.g. a float32 distribution) into the guest:

@@ -70,9 +70,9 @@ GREEDY = Sample()  # the default: shared, since building a Sample costs more tha
 class PredResult:
     """The answer to one `pred` request; only the fields its `want` asked for are set.
 
-    A distribution computed on a GPU stays there (`distribution`) until `probs` is read; on the
-    host it is not computed until asked for (`logits` holds the row): `write_probs` then takes
-    the softmax straight into its destination, a LIP's memory, with no tensor in between.
+    A distribution computed on a GPU stays there (`distribution`) until `probs` is read; the
+    host's for a batch of one row is not computed until asked for (`logits` holds the row):
+    `write_probs` then takes the softmax straight into its destination, a LIP's memory.
     """
 
     token: int | None = None
@@ -84,28 +84,39 @@ class PredResult:
 
     @property
     def probs(self) -> torch.Tensor | None:
-        """The distribution as a float32 CPU tensor (copied from the device on first read)."""
+        """The distribution as a float32 CPU tensor (taken or copied from the device on first
+        read). Safe to read from more than one thread: `distribution` is set before `logits` is
+        cleared."""
         if self.distribution is None:
-            if self.logits is not None:
-                self.distribution, self.logits = torch.softmax(self.logits, dim=-1), None
+            logits = self.logits
+            if logits is not None:
+                self.distribution = torch.softmax(logits, dim=-1).cpu()
+                self.logits = None
         elif self.distribution.device.type != "cpu":
             self.distribution = self.distribution.cpu()
         return self.distribution
 
     @property
     def vocab_size(self) -> int:
-        """The length of the distribution (without computing it)."""
-        return (self.logits if self.distribution is None else self.distribution).numel()
+        """The length of the distribution, without taking it (a Distribution's result only)."""
+        logits = self.logits
+        source = logits if logits is not None else self.distribution
+        if source is None:
+            raise ValueError("this result holds no distribution: its pred did not ask for one")
+        return source.numel()
 
     def write_probs(self, out: torch.Tensor) -> None:
         """Write the distribution into `out`, a float32 host tensor of `vocab_size`: the host's
         softmax straight into it, or one copy from the device (measured on the CPU, 24,576
         floats, caches cold as after a forward pass: 139 us against 151 for a softmax into a
         tensor of its own and a copy of that)."""
-        if self.distribution is None:
-            torch.softmax(self.logits, dim=-1, out=out)
+        if out.shape != (self.vocab_size,):
+            raise ValueError(f"write_probs needs room for exactly {self.vocab_size} floats, got {tuple(out.shape)}")
+        logits = self.logits
+        if logits is not None and logits.device == out.device:
+            torch.softmax(logits, dim=-1, out=out)
         else:
-            out.copy_(self.distribution)
+            out.copy_(self.distribution if self.distribution is not None else self.probs)
 
 
 def validate_want(want: Want, vocab_size: int) -> None:
@@ -172,7 +183,12 @@ def process_logits_reference(logits: torch.Tensor, wants: list[Want],
     log_probs = greedy = None
     for row, want in enumerate(wants):
         if isinstance(want, Distribution):
-            results.append(PredResult(logits=logits[row]))  # softmax when asked: PredResult.probs
+            # A batch of one: the softmax waits to be taken straight into where it goes (a LIP's
+            # buffer: PredResult.write_probs). Of more rows, each is taken here: a row kept for
+            # later would hold the batch's logits (a LIP's unwaited tickets count one row each)
+            # or need a copy of its own, which costs more than it saves (bench/NOTES.md).
+            results.append(PredResult(logits=logits[row]) if len(logits) == 1
+                           else PredResult(distribution=torch.softmax(logits[row], dim=-1).cpu()))
         elif isinstance(want, TopK):
             if log_probs is None:
                 log_probs = torch.log_softmax(logits, dim=-1)

@@ -33,8 +33,9 @@ def wat(text: str) -> bytes:
 
 
 def build_with_make(program: Path, toolchain: str) -> Path:
-    """lips/rust/NAME.wasm or lips/as/NAME.wasm through `make` (which installs the toolchain:
-    Debian's rustc, or asc from npm); skips, saying why, only when that install fails."""
+    """A Rust or AssemblyScript program (lips/rust/, lips/as/, tests/rust_guests/, tests/as_guests/)
+    built through `make` (which installs the toolchain: Debian's rustc, or asc from npm); skips,
+    saying why, only when that install fails."""
     result = subprocess.run(["make", "-s", str(program.relative_to(ROOT))], cwd=ROOT, capture_output=True, text=True)
     if result.returncode != 0:
         if "apt-get" in result.stderr + result.stdout or "npm" in result.stderr + result.stdout:
@@ -61,4 +62,5 @@ def rust_test_guest(name: str) -> Path:
 
 
 def as_test_guest(name: str) -> Path:
+    """tests/as_guests/NAME.wasm (a test's own program), as as_lip."""
     return build_with_make(ROOT / "tests" / "as_guests" / f"{name}.wasm", ASSEMBLYSCRIPT)

@@ -83,20 +83,33 @@ def test_distribution_stays_on_the_device_until_read():
     assert result.probs.device.type == "cpu" and abs(float(result.probs.sum()) - 1) < 1e-5
 
 
-@pytest.mark.parametrize("path", ["reference", "batched"])
-def test_write_probs_writes_the_distribution_into_a_host_buffer(path):
+@pytest.mark.parametrize("path,rows", [("reference", 1), ("reference", 2), ("batched", 2)])
+def test_write_probs_writes_the_distribution_into_a_host_buffer(path, rows):
     """What a LIP's pred gets: `write_probs` fills a host buffer (a view of guest memory) with
-    exactly `probs`, whether the softmax is still to be taken (the host path) or was taken on
-    the device; `vocab_size` is known without taking it."""
-    logits = random_logits(2, seed=4)
+    exactly `probs`, whether the softmax is still to be taken (the host path's batch of one),
+    was taken already, or was taken on the device; `vocab_size` is known without taking it."""
+    logits = random_logits(rows, seed=4)
     process = process_logits_reference if path == "reference" else process_logits_batched
-    results = process(logits.to(DEVICE) if path == "batched" else logits, [Distribution(), Distribution()],
+    results = process(logits.to(DEVICE) if path == "batched" else logits, [Distribution()] * rows,
                       torch.Generator())
-    memory = torch.full((2 * VOCAB + 8,), -1.0)
+    memory = torch.full((rows * VOCAB + 8,), -1.0)
     for row, result in enumerate(results):
         assert result.vocab_size == VOCAB
+        with pytest.raises(ValueError):  # never more or less than the distribution
+            result.write_probs(memory[4:4 + VOCAB - 1])
         result.write_probs(memory[4 + row * VOCAB:4 + (row + 1) * VOCAB])
     assert torch.equal(memory[:4], torch.full((4,), -1.0)) and torch.equal(memory[-4:], torch.full((4,), -1.0))
     for row, result in enumerate(results):
         assert torch.equal(memory[4 + row * VOCAB:4 + (row + 1) * VOCAB], result.probs)
         torch.testing.assert_close(result.probs, torch.softmax(logits[row], dim=-1), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_a_kept_host_distribution_holds_its_own_row_only(rows):
+    """A result holds one row's worth of memory, not the whole batch's logits: a LIP's unwaited
+    tickets are counted at one row each (hostcalls' distribution_bytes)."""
+    results = process_logits_reference(random_logits(rows, seed=5), [Distribution()] * rows, torch.Generator())
+    for result in results:
+        held = result.logits if result.logits is not None else result.distribution
+        assert held.untyped_storage().nbytes() == 4 * VOCAB
+        assert result.probs.untyped_storage().nbytes() == 4 * VOCAB
