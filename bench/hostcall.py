@@ -17,10 +17,10 @@
    order A B C C B A ...; the table has median tok/s, and as ratios the median of each repeat's
    paired ratio (its runs are back to back, so a slow phase of the VM, +-15% per run, slows
    both sides of a pair: the ratio of medians, also in the JSON, pairs runs from different
-   phases). A second table has each path's host time per token outside the engine's forward pass and
-   sampling: what the runtime's code decides, and steadier than the ratios; with the forward time
-   the paths share (the same batches: the median over the runs taking distributions, whose
-   softmax is host time), it gives the ratios again, free of the noise in the forward passes.
+   phases). A second table has each path's host time per token outside the model's forward passes
+   (sampling, softmax included: each path's own work): what the runtime's code decides, and
+   steadier than the ratios; with the forward time the paths share (the same batches: the median
+   over every run), it gives the ratios again, free of the noise in the forward passes.
 
     python bench/hostcall.py [--quick]
 
@@ -210,6 +210,18 @@ def main() -> None:
 
         model_dir = build_random_model(Path(tmp) / "bench", seed=0, **BENCH_SHAPE)
         engine = Engine.from_path(model_dir, device="cpu", page_size=16, num_pages=4096, token_budget=4096)
+        # The model's forward passes alone (ModelRunner.run: no sampling, which is each path's
+        # own host work), timed for every path alike.
+        model_s, run_model = [0.0], engine.runner.run
+
+        def timed_run_model(seqs):
+            started = time.perf_counter()
+            try:
+                return run_model(seqs)
+            finally:
+                model_s[0] += time.perf_counter() - started
+
+        engine.runner.run = timed_run_model
         # The API loops under the GC tuning the runtime gives LIPs (gc_tuning.py): both paths alike.
         tune_gc()
         real_rows = []
@@ -224,24 +236,20 @@ def main() -> None:
                     "same_work": lambda: api_decode(engine, ids, new_tokens, like_hello=True),
                     "lip": lambda: lip_decode(engine, hello, text_prompts, new_tokens)}
             times, outside, outputs = {name: [] for name in runs}, {name: [] for name in runs}, {}
-            forward = []  # the forward passes of the runs that take distributions (no sampling in them)
+            forward = []  # each run's forward passes: the same batches, the same work in every path
             for repeat in range(real_repeats):
                 for name in (list(runs) if repeat % 2 == 0 else list(reversed(runs))):
-                    forward_before = engine.stats().forward_s
+                    model_before = model_s[0]
                     seconds, outputs[name] = runs[name]()
                     times[name].append(seconds)
-                    spent_forward = engine.stats().forward_s - forward_before
-                    if name != "api":  # its forward_s also holds its greedy argmax
-                        forward.append(spent_forward)
-                    outside[name].append(seconds - spent_forward)
+                    forward.append(model_s[0] - model_before)
+                    outside[name].append(seconds - forward[-1])
             api_out, lip_out = outputs["api"], outputs["lip"]
             same = sum(lip == engine.detokenize(p + o) + "\n" for lip, p, o in zip(lip_out, ids, api_out))
             tokens = sum(len(o) for o in api_out)
             api_s, same_work_s, lip_s = (statistics.median(times[name]) for name in ("api", "same_work", "lip"))
-            # The paths run the same batches: with the forward time they share (the median over
-            # the LIP's and the API-doing-hello's-work runs), their host times give the ratio the
-            # VM's noise hides from the others. Host greedy's argmax counts in its forward time,
-            # so its ratio from host time leaves that out of the API's side: it errs against LIPs.
+            # The paths run the same batches: with the forward time they share (the median of
+            # all runs), their host times give the ratio the VM's noise hides from the others.
             shared_forward, host = statistics.median(forward), {name: statistics.median(outside[name]) for name in runs}
             # The ratios pair the runs of one repeat (back to back) and take the median of those:
             # a slow phase of the VM that spans a repeat cancels out. The JSON also has the ratios
@@ -259,7 +267,7 @@ def main() -> None:
                        ratio_same_work_of_best=min(times["same_work"]) / min(times["lip"]),
                        identical_outputs=f"{same}/{batch}",
                        seconds={name: times[name] for name in runs},
-                       # Host time per token outside the engine's forward + sampling (EngineStats.forward_s):
+                       # Host time per token outside the model's forward passes (sampling included):
                        # the part of each path the runtime's code decides, steadier than the ratios.
                        us_per_token_outside_forward={name: 1e6 * host[name] / tokens for name in runs})
             real_rows.append(row)
@@ -287,9 +295,8 @@ def main() -> None:
     for r in real_rows:
         print(f"{r['batch']:>5} | {r['lip_tok_s']:>9.1f} | {r['api_tok_s']:>9.1f} | {r['ratio']:>5.3f} | "
               f"{r['api_same_work_tok_s']:>15.1f} | {r['ratio_same_work']:>5.3f} | {r['identical_outputs']}")
-    print("\nHost time per token outside the engine's forward pass and sampling, us (median of the same runs; a "
-          "distribution's softmax, taken when it is read, is outside), and the ratios it gives with the forward "
-          "time the paths share")
+    print("\nHost time per token outside the model's forward passes (sampling included), us (median of the same "
+          "runs), and the ratios it gives with the forward time the paths share")
     print(f"{'batch':>5} | {'forward':>7} | {'LIP':>6} | {'API':>6} | {'API, hello work':>15} | {'ratio':>5} | "
           f"{'ratio, hello work':>17}")
     for r in real_rows:
