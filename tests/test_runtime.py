@@ -282,6 +282,18 @@ def test_symphony_run_streams_output_and_stats(stories_path):
     assert "mean batch size" in result.output and "KV pages peak" in result.output
 
 
+def assert_sent_distributions(engine, sent: list[bytes], tokens) -> None:
+    """Each message in `sent` is the float32 distribution the Python API gives after feeding
+    `tokens` one by one into a fresh KV file, exactly."""
+    assert len(sent) == len(tokens)
+    kv = engine.session()
+    handle = kv.create()
+    for got, token in zip(sent, tokens):
+        expected = engine.pred(kv, handle, [token], want=Distribution()).probs
+        assert torch.equal(torch.frombuffer(bytearray(got), dtype=torch.float32), expected)
+    kv.close_all()
+
+
 @pytest.mark.parametrize("offset", [0, 1])
 def test_distribution_lands_in_the_guests_buffer(tiny_engine, offset):
     """A blocking pred's distribution lands in the guest's buffer, aligned or not, exactly as
@@ -307,12 +319,7 @@ def test_distribution_lands_in_the_guests_buffer(tiny_engine, offset):
         proc = runtime.spawn(runtime.load(guest, "dist"), on_output=sent.append)
         assert runtime.wait(proc, 30) == 0, proc.end_reason
     assert len(sent[0]) == vocab  # send's length argument was pred's return value: the count
-    kv = tiny_engine.session()
-    handle = kv.create()
-    for got, token in zip(sent[1:], (5, 7)):
-        expected = tiny_engine.pred(kv, handle, [token], want=Distribution()).probs
-        assert torch.equal(torch.frombuffer(bytearray(got), dtype=torch.float32), expected)
-    kv.close_all()
+    assert_sent_distributions(tiny_engine, sent[1:], (5, 7))
 
 
 def test_distribution_lands_in_memory_the_guest_grew(tiny_engine):
@@ -339,9 +346,4 @@ def test_distribution_lands_in_memory_the_guest_grew(tiny_engine):
         sent = []
         proc = runtime.spawn(runtime.load(guest, "grow"), on_output=sent.append)
         assert runtime.wait(proc, 30) == 0, proc.end_reason
-    kv = tiny_engine.session()
-    handle = kv.create()
-    for got, token in zip(sent, (5, 7)):
-        expected = tiny_engine.pred(kv, handle, [token], want=Distribution()).probs
-        assert torch.equal(torch.frombuffer(bytearray(got), dtype=torch.float32), expected)
-    kv.close_all()
+    assert_sent_distributions(tiny_engine, sent, (5, 7))
