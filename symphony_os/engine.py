@@ -128,7 +128,8 @@ class Engine:
             positions = list(positions)
             if len(positions) != len(tokens):
                 raise InvalidArgument(f"{len(tokens)} tokens but {len(positions)} positions")
-        validate_want(want, vocab)
+        if want is not GREEDY:
+            validate_want(want, vocab)
         request = PredRequest(session.take_for_pred(handle), tokens, positions, want)
         with self._queue_mutex:
             self.scheduler.add(request)
@@ -169,7 +170,9 @@ class Engine:
         only memory is short and others run, waits for the next batch)."""
         runnable, seqs, failed = [], [], []
         now = time.perf_counter()
-        with self.kvfs.lock:  # once per batch, not per chunk
+        kvfs = self.kvfs
+        with kvfs.lock:  # once per batch, not per chunk
+            clock = kvfs.clock()  # the files' last use: once per batch
             for chunk in plan.chunks:
                 request, file = chunk.request, chunk.request.file
                 try:
@@ -182,7 +185,7 @@ class Engine:
                             request.positions = [start] if n == 1 else list(range(start, start + n))
                     whole = chunk.count == len(request.tokens)  # no slices to make
                     positions = request.positions if whole else request.positions[chunk.start:chunk.start + chunk.count]
-                    slots = self.kvfs.reserve_slots(file, positions)
+                    slots = kvfs.reserve_slots(file, positions, clock)
                 except PoolExhausted as error:
                     if len(plan.chunks) == 1:
                         failed.append((request, None, error))
@@ -192,15 +195,13 @@ class Engine:
                     continue
                 runnable.append(chunk)
                 each = isinstance(request.want, GreedyEach)
+                # The page table is the file's own page list (reserve_slots made it resident),
+                # not a copy: no one else changes the pages of a file with a pred in flight
+                # (truncate refuses it, eviction and swapping skip it while protected), and the
+                # batch's one chunk per file appended already.
                 seqs.append(SequenceInput(
-                    tokens=request.tokens if whole else request.tokens[chunk.start:chunk.start + chunk.count],
-                    positions=positions,
-                    # The file's own page list, not a copy: no one else changes the pages of a
-                    # file with a pred in flight (truncate refuses it, eviction and swapping skip
-                    # it while protected), and the batch's one chunk per file appended already.
-                    slots=slots, page_table=self.kvfs.page_table(file), context_len=file.length,
-                    wants_logits=chunk.is_last and not each, greedy_each=each,
-                ))
+                    request.tokens if whole else request.tokens[chunk.start:chunk.start + chunk.count],
+                    positions, slots, file.pages, file.length, chunk.is_last and not each, each))
         if failed:
             self._finish_all(failed)
         return runnable, seqs
@@ -244,8 +245,7 @@ class Engine:
     def _finish_all(self, outcomes: list[tuple[PredRequest, PredResult | None, BaseException | None]]) -> None:
         """Take the requests out of the queue, release their files, complete their futures."""
         with self._queue_mutex:
-            for request, _, _ in outcomes:
-                self.scheduler.remove(request)
+            self.scheduler.remove_all([request for request, _, _ in outcomes])
         kvfs = self.kvfs
         with kvfs.lock:
             now = kvfs.clock()

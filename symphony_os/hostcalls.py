@@ -264,7 +264,8 @@ class HostCalls:
         limits = self.process.limits
         if len(self.tickets) >= limits.preds_in_flight:
             raise LimitExceeded(f"at most {limits.preds_in_flight} preds in flight per process")
-        check_kv_pages(self.process, kv, len(tokens))
+        if limits.kv_pages is not None:
+            check_kv_pages(self.process, kv, len(tokens))
         if isinstance(want, Distribution):
             self._check_distribution_bytes()
         future = self.engine.submit(self.kv, kv, tokens, positions, want)

@@ -285,36 +285,40 @@ class KVFS:
                     if self._protected[file_id] <= 0:
                         del self._protected[file_id]
 
-    def reserve_slots(self, file: KvFile, positions: list[int]) -> list[int]:
+    def reserve_slots(self, file: KvFile, positions: list[int], now: float | None = None) -> list[int]:
         """Make room for `len(positions)` new tokens at the end of `file` and return their flat
         slot indices (`page * page_size + offset`). Copies a shared, partly filled last page
-        first (copy-on-write). The tokens count as part of the file from now on."""
+        first (copy-on-write). The tokens count as part of the file from now on. `now`: the
+        clock, when the caller read it already (a batch reserves for many files)."""
         n = len(positions)
         if n == 0:
             raise InvalidArgument("pred needs at least one token")
         first = positions[0]
-        if file.length > 0 and first != file.next_position:
-            raise PositionError(f"positions must continue the file: expected {file.next_position}, got {first}")
+        if file.length > 0:
+            expected = file.next_position
+            if first != expected:
+                raise PositionError(f"positions must continue the file: expected {expected}, got {first}")
         if n > 1 and positions != list(range(first, first + n)):
             a, b = next((a, b) for a, b in zip(positions, positions[1:]) if b != a + 1)
             raise PositionError(f"positions must increase by one: {a} then {b}")
         if first < 0:
             raise PositionError(f"positions must be non-negative, got {first}")
-        slots = self._grow(file, n)
+        slots = self._grow(file, n, now)
         if file.length == n:
             file.runs = [(0, positions[0])]
         return slots
 
-    def _grow(self, file: KvFile, n: int) -> list[int]:
+    def _grow(self, file: KvFile, n: int, now: float | None = None) -> list[int]:
         """Add `n` token slots at the end of the file (pages allocated, a shared partly filled
         last page copied first) and return their flat slot indices."""
-        page_size = self.pool.page_size
+        pool = self.pool
+        page_size = pool.page_size
         offset = file.length % page_size
-        if offset and offset + n <= page_size and not file.host_pages and self.pool.refcount[file.pages[-1]] == 1:
+        if offset and offset + n <= page_size and not file.host_pages and pool.refcount[file.pages[-1]] == 1:
             # The tokens fit in the file's own, resident last page (most decode steps).
             first = file.pages[-1] * page_size + offset
             file.length += n
-            file.last_used = self.clock()
+            file.last_used = self.clock() if now is None else now
             return [first] if n == 1 else list(range(first, first + n))
         self.ensure_resident(file)
         copy_last = bool(file.length % page_size) and self.pool.refcount[file.pages[-1]] > 1
@@ -337,7 +341,7 @@ class KVFS:
             for i in range(file.length, file.length + n)
         ]
         file.length += n
-        file.last_used = self.clock()
+        file.last_used = self.clock() if now is None else now
         return slots
 
     def pages_of(self, owner: str) -> int:

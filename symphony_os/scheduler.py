@@ -71,8 +71,10 @@ class BatchScheduler:
     def add(self, request: PredRequest) -> None:
         self.waiting[id(request)] = request
 
-    def remove(self, request: PredRequest) -> None:
-        del self.waiting[id(request)]
+    def remove_all(self, requests: list[PredRequest]) -> None:
+        waiting = self.waiting
+        for request in requests:
+            del waiting[id(request)]
 
     def __len__(self) -> int:
         return len(self.waiting)
