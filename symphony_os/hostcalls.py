@@ -331,7 +331,8 @@ class HostCalls:
             vocab = result.vocab_size
             if cap < vocab:
                 return None
-            out = mem.f32_tensor(out_ptr, vocab)
+            into = want.into  # the buffer at out_ptr, when the pred was queued with it
+            out = into if into is not None and into.numel() == vocab else mem.f32_tensor(out_ptr, vocab)
             if out is None:  # not aligned for float32s: through a tensor of its own
                 mem.write_tensor(out_ptr, result.probs)
             else:
@@ -364,6 +365,13 @@ class HostCalls:
                 raise BufferTooSmall(f"pred of kind {kind} writes {needed} values, cap is {cap}")
         mem.check(out_ptr, 4 * cap)
         tokens, positions, want = self._pred_request(mem, ids_ptr, pos_ptr, n, kind, arg)
+        if kind == KIND_DISTRIBUTION:
+            # The host's softmax goes straight into the guest's buffer as the batch is answered
+            # (the guest is suspended until then, and its memory never moves; the process lives
+            # while the pred is in flight: the pred's future holds its wake-up).
+            into = mem.f32_tensor(out_ptr, self.engine.loaded.config.vocab_size)
+            if into is not None:
+                want = Distribution(into=into)
         future = self._queue(kv, tokens, positions, want)
         if future.done():
             return _finish_pred(mem, self, future, want, out_ptr, cap)

@@ -28,7 +28,15 @@ KERNEL_MAX_TOP_K = 32
 
 @dataclass(frozen=True)
 class Distribution:
-    """Return the softmax of the logits (float32, length vocab_size)."""
+    """Return the softmax of the logits (float32, length vocab_size).
+
+    `into`: a float32 CPU tensor of vocab_size where the host's softmax is written as the batch
+    is answered (a blocking pred's buffer in a suspended LIP's memory: no tensor of its own, no
+    copy); the result's `distribution` is then that tensor. The owner of that memory keeps it
+    alive and untouched until the request is answered. A device's distribution is not written
+    there (`PredResult.write_probs` copies it when it is delivered)."""
+
+    into: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,10 @@ class PredResult:
         tensor of its own and a copy of that)."""
         if out.shape != (self.vocab_size,):
             raise ValueError(f"write_probs needs room for exactly {self.vocab_size} floats, got {tuple(out.shape)}")
+        distribution = self.distribution
+        if (distribution is not None and distribution.data_ptr() == out.data_ptr()
+                and distribution.device == out.device):
+            return  # written there already (Distribution.into)
         logits = self.logits
         if logits is not None and logits.device == out.device:
             torch.softmax(logits, dim=-1, out=out)
@@ -183,12 +195,17 @@ def process_logits_reference(logits: torch.Tensor, wants: list[Want],
     log_probs = greedy = None
     for row, want in enumerate(wants):
         if isinstance(want, Distribution):
+            into = want.into
+            if into is not None and into.shape == logits.shape[1:]:  # where it goes: written there
+                results.append(PredResult(distribution=torch.softmax(logits[row], dim=-1, out=into)))
             # A batch of one: the softmax waits to be taken straight into where it goes (a LIP's
             # buffer: PredResult.write_probs). Of more rows, each is taken here: a row kept for
             # later would hold the batch's logits (a LIP's unwaited tickets count one row each)
             # or need a copy of its own, which costs more than it saves (bench/NOTES.md).
-            results.append(PredResult(logits=logits[row]) if len(logits) == 1
-                           else PredResult(distribution=torch.softmax(logits[row], dim=-1).cpu()))
+            elif len(logits) == 1:
+                results.append(PredResult(logits=logits[row]))
+            else:
+                results.append(PredResult(distribution=torch.softmax(logits[row], dim=-1).cpu()))
         elif isinstance(want, TopK):
             if log_probs is None:
                 log_probs = torch.log_softmax(logits, dim=-1)

@@ -294,10 +294,10 @@ def assert_sent_distributions(engine, sent: list[bytes], tokens) -> None:
     kv.close_all()
 
 
-@pytest.mark.parametrize("offset", [0, 1])
-def test_distribution_lands_in_the_guests_buffer(tiny_engine, offset):
-    """A blocking pred's distribution lands in the guest's buffer, aligned or not, exactly as
-    the Python API returns it; pred returns the count."""
+@pytest.mark.parametrize("offset,processes", [(0, 1), (1, 1), (0, 4)])
+def test_distribution_lands_in_the_guests_buffer(tiny_engine, offset, processes):
+    """A blocking pred's distribution lands in the guest's buffer, aligned or not, alone in its
+    batch or not, exactly as the Python API returns it; pred returns the count."""
     vocab = tiny_engine.loaded.config.vocab_size
     out = 1024 + offset
     guest = wat(f'''(module
@@ -314,12 +314,18 @@ def test_distribution_lands_in_the_guests_buffer(tiny_engine, offset):
         (drop (call $pred (local.get $kv) (i32.const 20) (i32.const 0) (i32.const 1) (i32.const 0) (i32.const 0)
                           (i32.const {out}) (i32.const {vocab})))
         (drop (call $send (i32.const {out}) (i32.const {4 * vocab})))))''')
+    batches = tiny_engine.stats().batches
     with Runtime(tiny_engine) as runtime:
-        sent = []
-        proc = runtime.spawn(runtime.load(guest, "dist"), on_output=sent.append)
-        assert runtime.wait(proc, 30) == 0, proc.end_reason
-    assert len(sent[0]) == vocab  # send's length argument was pred's return value: the count
-    assert_sent_distributions(tiny_engine, sent[1:], (5, 7))
+        program = runtime.load(guest, "dist")
+        sents = [[] for _ in range(processes)]
+        procs = [runtime.spawn(program, on_output=sent.append) for sent in sents]
+        for proc in procs:
+            assert runtime.wait(proc, 30) == 0, proc.end_reason
+    if processes > 1:
+        assert tiny_engine.stats().batches - batches < 2 * processes  # some preds shared a batch
+    for sent in sents:
+        assert len(sent[0]) == vocab  # send's length argument was pred's return value: the count
+        assert_sent_distributions(tiny_engine, sent[1:], (5, 7))
 
 
 def test_distribution_lands_in_memory_the_guest_grew(tiny_engine):

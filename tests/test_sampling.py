@@ -105,6 +105,27 @@ def test_write_probs_writes_the_distribution_into_a_host_buffer(path, rows):
 
 
 @pytest.mark.parametrize("rows", [1, 8])
+def test_distribution_into_a_buffer_is_written_there_as_the_batch_is_answered(rows):
+    """`Distribution(into=...)`: the host's softmax lands in the given buffer (a suspended LIP's
+    memory) in the batch; the result is that buffer, and delivering it there again writes
+    nothing. A buffer of the wrong size is left alone: that row is answered as without one."""
+    logits = random_logits(rows, seed=6)
+    memory = torch.full((rows * VOCAB + 8,), -1.0)
+    buffers = [memory[4 + row * VOCAB:4 + (row + 1) * VOCAB] for row in range(rows)]
+    wrong = torch.full((VOCAB - 1,), -1.0)
+    wants = [Distribution(into=buffer) for buffer in buffers] + [Distribution(into=wrong)]
+    results = process_logits_reference(torch.cat([logits, logits[:1]]), wants, torch.Generator())
+    for row, (buffer, result) in enumerate(zip(buffers, results)):
+        torch.testing.assert_close(buffer, torch.softmax(logits[row], dim=-1), rtol=0, atol=1e-6)
+        assert result.probs.data_ptr() == buffer.data_ptr()
+        result.write_probs(buffer)  # already there
+        torch.testing.assert_close(buffer, torch.softmax(logits[row], dim=-1), rtol=0, atol=1e-6)
+    assert torch.equal(memory[:4], torch.full((4,), -1.0)) and torch.equal(memory[-4:], torch.full((4,), -1.0))
+    assert torch.equal(wrong, torch.full((VOCAB - 1,), -1.0))
+    torch.testing.assert_close(results[-1].probs, torch.softmax(logits[0], dim=-1), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 8])
 def test_a_kept_host_distribution_holds_its_own_row_only(rows):
     """A result holds one row's worth of memory, not the whole batch's logits: a LIP's unwaited
     tickets are counted at one row each (hostcalls' distribution_bytes)."""
