@@ -1,5 +1,7 @@
 """The cyclic GC kept off the serving path: tuned while something serves, restored after."""
 import gc
+import subprocess
+import sys
 
 from symphony_os.gc_tuning import SERVING_GC_THRESHOLD, serving_gc, tune_gc, untune_gc
 
@@ -33,3 +35,28 @@ def test_engine_loop_serves_with_tuned_gc(tiny_engine):
     finally:
         tiny_engine.stop()
     assert gc_state()[0] == before[0]
+
+
+def test_garbage_is_collected_before_freezing_except_the_first_time():
+    """The first user in a process freezes without a full collection (nothing has served yet);
+    a later one collects first, so an earlier runtime's garbage cycles are not frozen for good."""
+    script = """
+import gc, weakref
+from symphony_os.gc_tuning import tune_gc, untune_gc
+full = []
+gc.callbacks.append(lambda phase, info: full.append(1) if phase == "start" and info["generation"] == 2 else None)
+tune_gc()
+assert full == [], "collected on first use"
+untune_gc()
+class Node: pass
+a, b = Node(), Node()
+a.other, b.other = b, a
+dead = weakref.ref(a)
+del a, b
+tune_gc()
+assert full and dead() is None, "an earlier user's garbage was frozen"
+untune_gc()
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "ok", done.stderr
