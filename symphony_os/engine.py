@@ -128,8 +128,7 @@ class Engine:
             positions = list(positions)
             if len(positions) != len(tokens):
                 raise InvalidArgument(f"{len(tokens)} tokens but {len(positions)} positions")
-        if want is not GREEDY:
-            validate_want(want, vocab)
+        validate_want(want, vocab)
         request = PredRequest(session.take_for_pred(handle), tokens, positions, want)
         with self._queue_mutex:
             self.scheduler.add(request)
@@ -195,13 +194,15 @@ class Engine:
                     continue
                 runnable.append(chunk)
                 each = isinstance(request.want, GreedyEach)
-                # The page table is the file's own page list (reserve_slots made it resident),
-                # not a copy: no one else changes the pages of a file with a pred in flight
-                # (truncate refuses it, eviction and swapping skip it while protected), and the
-                # batch's one chunk per file appended already.
                 seqs.append(SequenceInput(
-                    request.tokens if whole else request.tokens[chunk.start:chunk.start + chunk.count],
-                    positions, slots, file.pages, file.length, chunk.is_last and not each, each))
+                    tokens=request.tokens if whole else request.tokens[chunk.start:chunk.start + chunk.count],
+                    positions=positions,
+                    # The file's own page list, not a copy: no one else changes the pages of a
+                    # file with a pred in flight (truncate refuses it, eviction and swapping skip
+                    # it while protected), and the batch's one chunk per file appended already.
+                    slots=slots, page_table=kvfs.page_table(file), context_len=file.length,
+                    wants_logits=chunk.is_last and not each, greedy_each=each,
+                ))
         if failed:
             self._finish_all(failed)
         return runnable, seqs

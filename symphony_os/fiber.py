@@ -418,8 +418,7 @@ def _call_async(key, caller, args, nargs, results, nresults, trap_slot, continua
     """Runs a `define_async` handler and hands wasmtime a continuation: done now (results or
     trap already written) or a wait on a Pending. Never raises."""
     # First, so that no failure below can leave wasmtime without a continuation (it panics).
-    # (_set_continuation, inline here and below: this runs once per blocking call.)
-    _CONTINUATION.pack_into(_NATIVE, continuation, *_READY)
+    _set_continuation(continuation, _READY)
     function, call = _FUNCTIONS.get(key), None
     try:
         call = HostCall(caller, _polling.fiber)
@@ -429,7 +428,7 @@ def _call_async(key, caller, args, nargs, results, nresults, trap_slot, continua
             if fiber is not None:  # the fiber holds its one wait and forgets it when it ends
                 fiber._flag[0] = 0
                 fiber._wait = _Waiting(outcome, call, function, results, trap_slot)
-                _CONTINUATION.pack_into(_NATIVE, continuation, _FLAG_CONTINUATION, fiber._flag_address, 0)
+                _set_continuation(continuation, (_FLAG_CONTINUATION, fiber._flag_address, 0))
                 if outcome.done:  # answered already: the guest runs on in this poll
                     _deliver(fiber)
             else:
@@ -629,12 +628,8 @@ class Fiber:
         outer, _polling.fiber = _polling.fiber, self
         try:
             waiting = self._wait
-            if waiting is not None and waiting.pending.done:  # the guest resumes in this poll
-                # _deliver(self), inline: once per resumed wait
-                self._wait = None
-                waiting.answer()
-                waiting.call._caller = None  # waiting.forget(), of a done Pending
-                self._flag[0] = 1
+            if waiting is not None and waiting.pending.done:
+                _deliver(self)  # the guest resumes in this poll
             finished = _future_poll(self._future)
         finally:
             _polling.fiber = outer

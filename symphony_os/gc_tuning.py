@@ -26,20 +26,21 @@ _users = 0
 _served_before = False  # has anything in this process served (and so maybe left garbage) yet?
 
 
-def tune_gc() -> None:
+def tune_gc(collect_all: bool = True) -> None:
     """Start serving: collect, freeze what is alive, collect young objects less often.
     Garbage is collected first: frozen, the cycles of an earlier runtime's ended processes
     (each holding a store's address-space reservation) would never be freed, and a program
     that ran runtime after runtime ran out of memory mappings ("Thread creation failed").
-    The first time in a process there is no such garbage (measured after loading a model:
-    67 unreachable objects, a full collection of 360k objects 200 ms of `symphony run`),
-    so only the young generations are collected then (a few ms)."""
+    `collect_all=False`, for a short-lived program that loads and then serves once (`symphony
+    run`): the first time in a process only the young generations are collected (1 ms; a full
+    collection of the 360k objects torch, transformers and a model leave took 200 ms, and found
+    67 unreachable). Once anything has served in the process, everything is collected."""
     global _users, _served_before
     with _lock:
         _users += 1
         if _users > 1:
             return
-        gc.collect() if _served_before else gc.collect(1)
+        gc.collect() if collect_all or _served_before else gc.collect(1)
         _served_before = True
         gc.freeze()
         gc.set_threshold(*SERVING_GC_THRESHOLD)

@@ -264,8 +264,7 @@ class HostCalls:
         limits = self.process.limits
         if len(self.tickets) >= limits.preds_in_flight:
             raise LimitExceeded(f"at most {limits.preds_in_flight} preds in flight per process")
-        if limits.kv_pages is not None:
-            check_kv_pages(self.process, kv, len(tokens))
+        check_kv_pages(self.process, kv, len(tokens))
         if isinstance(want, Distribution):
             self._check_distribution_bytes()
         future = self.engine.submit(self.kv, kv, tokens, positions, want)
@@ -367,11 +366,11 @@ class HostCalls:
         tokens, positions, want = self._pred_request(mem, ids_ptr, pos_ptr, n, kind, arg)
         if kind == KIND_DISTRIBUTION:
             # The host's softmax goes straight into the guest's buffer as the batch is answered
-            # (the guest is suspended until then, and its memory never moves; the process lives
-            # while the pred is in flight: the pred's future holds its wake-up).
+            # (the guest is suspended until then, and its memory never moves; the request holds
+            # the Store that owns that memory, so it outlives a kill meanwhile).
             into = mem.f32_tensor(out_ptr, self.engine.loaded.config.vocab_size)
             if into is not None:
-                want = Distribution(into=into)
+                want = Distribution(into=into, keep=self.process.store)
         future = self._queue(kv, tokens, positions, want)
         if future.done():
             return _finish_pred(mem, self, future, want, out_ptr, cap)

@@ -39,13 +39,7 @@ class PredFuture:
         event = self._event
         if event is not None:
             event.set()
-        callbacks = self._callbacks  # as _run_callbacks, inline: one call fewer per answer
-        while callbacks:
-            try:
-                callback = callbacks.pop(0)
-            except IndexError:
-                return
-            callback(self)
+        self._run_callbacks()
 
     def _run_callbacks(self) -> None:
         callbacks = self._callbacks

@@ -184,7 +184,7 @@ class Process:
         """The result of a blocking call whose wait is over: `block.finish`, or, if that raises,
         `block.failed` of its error code (an unexpected exception is logged, INTERNAL)."""
         try:
-            return block.finish(self.memory or self.memory_for(call), *block.args)
+            return block.finish(self.memory_for(call), *block.args)
         except SymphonyError as error:
             return block.failed(error.code)
         except Exception:
@@ -214,20 +214,16 @@ class Process:
             return "ended"
 
     def _advance(self) -> str:
-        if self.exit_code is not None:  # finished
+        if self.finished:
             return "ended"
         if self._kill_reason is None:
-            limits = self.limits
-            if limits.wall_time_s is not None or (limits.cpu_time_s is not None
-                                                  and self.cpu_time_s > limits.cpu_time_s):
-                self._kill_reason = self.usage.over_time(self.cpu_time_s)
+            self._kill_reason = self.usage.over_time(self.cpu_time_s)
         if self._kill_reason is not None:
             self._end(ProcessState.KILLED, EXIT_KILLED, self._kill_reason)
             return "ended"
         resumed = False
-        blocked = self._blocked
-        if blocked is not None:
-            block, pending, call = blocked
+        if self._blocked is not None:
+            block, pending, call = self._blocked
             if not (block.future.done() if block.future is not None else self.input_ready()):
                 return "waiting"
             self._blocked = None

@@ -66,7 +66,7 @@ class Worker:
         """Queue `process` for this worker's next round (any thread). Wake-ups from the batch
         driver (completed preds) are only queued: the driver starts the next round once it has
         delivered all of them, so one round takes every process the batch released."""
-        driving = threading.get_ident() == self.driver.driving_thread  # its wake-ups are deferred
+        driving = self.driver.is_driving()
         with self._lock:
             queued = self._ready.get(process.pid)
             if queued is None or (queued[1] and not preempted):
@@ -154,6 +154,10 @@ class BatchDriver:
         self.thread = threading.Thread(target=self.run, name="symphony-batch-driver", daemon=True) \
             if own_thread else None
 
+    def is_driving(self) -> bool:
+        """Is the calling thread the one running batches (so its wake-ups are deferred)?"""
+        return threading.get_ident() == self.driving_thread
+
     def round_done(self) -> None:
         with self._cond:
             self._cond.notify()
@@ -196,7 +200,7 @@ def _handler(name: str, blocking: bool):
     def handle(call, args):
         process: Process = call.fiber.owner
         hostcalls = process.hostcalls
-        outcome = hostcalls.dispatch(name, int, method, hostcalls, process.memory or process.memory_for(call), *args)
+        outcome = hostcalls.dispatch(name, int, method, hostcalls, process.memory_for(call), *args)
         if isinstance(outcome, Block):
             return process.block_on(outcome, call)
         return Ready((outcome,)) if blocking else (outcome,)
@@ -239,7 +243,7 @@ class Runtime:
     def start(self) -> "Runtime":
         if not self._started:
             self._started = True
-            tune_gc()
+            tune_gc(collect_all=self.driver.thread is not None)  # one-thread: `symphony run`
             self._ticker.start()
             self._watchdog.start()
             for worker in self.workers:

@@ -14,6 +14,7 @@ definition the device path is tested against).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +38,7 @@ class Distribution:
     there (`PredResult.write_probs` copies it when it is delivered)."""
 
     into: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    keep: object = field(default=None, compare=False, repr=False)  # what owns into's memory: held with the request
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,12 @@ class PredResult:
 
 def validate_want(want: Want, vocab_size: int) -> None:
     """Raise InvalidArgument for a request that cannot be served."""
-    if want is GREEDY or isinstance(want, (Distribution, GreedyEach)):
+    if want is GREEDY or isinstance(want, GreedyEach):
+        return
+    if isinstance(want, Distribution):
+        into = want.into
+        if into is not None and not (into.dtype == torch.float32 and into.device.type == "cpu" and into.dim() == 1):
+            raise InvalidArgument("a distribution's buffer must be a 1-D float32 CPU tensor")
         return
     if isinstance(want, TopK):
         if not 1 <= want.k <= vocab_size:
@@ -147,6 +154,8 @@ def validate_want(want: Want, vocab_size: int) -> None:
         raise InvalidArgument(f"top_p must be in (0, 1], got {want.top_p}")
     if want.top_k < 0:
         raise InvalidArgument(f"top_k must be >= 0, got {want.top_k}")
+    if not all(math.isfinite(value) for value in want.logit_bias.values()):
+        raise InvalidArgument("logit_bias values must be finite numbers")
     ids = list(want.logit_bias) + list(want.allowed_tokens or ())
     if any(not isinstance(i, int) or not 0 <= i < vocab_size for i in ids):
         raise InvalidArgument(f"token ids in logit_bias / allowed_tokens must be in [0, {vocab_size})")
@@ -196,7 +205,8 @@ def process_logits_reference(logits: torch.Tensor, wants: list[Want],
     for row, want in enumerate(wants):
         if isinstance(want, Distribution):
             into = want.into
-            if into is not None and into.shape == logits.shape[1:]:  # where it goes: written there
+            if (into is not None and into.shape == logits.shape[1:] and into.dtype == logits.dtype
+                    and into.device == logits.device):  # where it goes: written there
                 results.append(PredResult(distribution=torch.softmax(logits[row], dim=-1, out=into)))
             # A batch of one: the softmax waits to be taken straight into where it goes (a LIP's
             # buffer: PredResult.write_probs). Of more rows, each is taken here: a row kept for

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 from symphony_os.gc_tuning import SERVING_GC_THRESHOLD, serving_gc, tune_gc, untune_gc
+from symphony_os.runtime import Runtime
 
 
 def gc_state():
@@ -37,15 +38,16 @@ def test_engine_loop_serves_with_tuned_gc(tiny_engine):
     assert gc_state()[0] == before[0]
 
 
-def test_garbage_is_collected_before_freezing_except_the_first_time():
-    """The first user in a process freezes without a full collection (nothing has served yet);
-    a later one collects first, so an earlier runtime's garbage cycles are not frozen for good."""
+def test_garbage_is_collected_before_freezing_except_the_first_time_asked():
+    """A first user that asks (`symphony run`'s one-thread runtime) freezes without a full
+    collection; any later one collects first, so an earlier runtime's garbage cycles are not
+    frozen for good."""
     script = """
 import gc, weakref
 from symphony_os.gc_tuning import tune_gc, untune_gc
 full = []
 gc.callbacks.append(lambda phase, info: full.append(1) if phase == "start" and info["generation"] == 2 else None)
-tune_gc()
+tune_gc(collect_all=False)
 assert full == [], "collected on first use"
 untune_gc()
 class Node: pass
@@ -53,10 +55,28 @@ a, b = Node(), Node()
 a.other, b.other = b, a
 dead = weakref.ref(a)
 del a, b
-tune_gc()
+tune_gc(collect_all=False)
 assert full and dead() is None, "an earlier user's garbage was frozen"
 untune_gc()
 print("ok")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "ok", done.stderr
+
+
+def test_a_serving_runtime_collects_everything_first(tiny_engine):
+    """A runtime with threads of its own (`symphony serve`) collects all garbage before it
+    freezes, even as the first user: a server lives long, and what it froze would stay."""
+    full = []
+
+    def count(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            full.append(1)
+
+    gc.callbacks.append(count)
+    try:
+        with Runtime(tiny_engine):
+            pass
+    finally:
+        gc.callbacks.remove(count)
+    assert full
