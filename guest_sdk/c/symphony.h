@@ -170,7 +170,8 @@ static inline int sym_pred_greedy_each(sym_kv kv, const int32_t *ids, const int3
 
 /* Prediction, blocking: append n tokens to kv and write the next-token distribution over the
    vocabulary into dist (cap floats); returns the vocabulary size.
-   One host call (`pred`); a cap too small for the vocabulary fails before anything runs. */
+   One host call (`pred`); a cap too small for the vocabulary fails before anything runs.
+   After an error (< 0) the contents of dist are unspecified. */
 static inline int sym_pred(sym_kv kv, const int32_t *ids, const int32_t *pos, int n, float *dist, int cap) {
     return __sym_pred(kv, ids, pos, n, SYM_PRED_DIST, 0, dist, cap);
 }
