@@ -311,10 +311,9 @@ class KVFS:
     def _grow(self, file: KvFile, n: int, now: float | None = None) -> list[int]:
         """Add `n` token slots at the end of the file (pages allocated, a shared partly filled
         last page copied first) and return their flat slot indices."""
-        pool = self.pool
-        page_size = pool.page_size
+        page_size = self.pool.page_size
         offset = file.length % page_size
-        if offset and offset + n <= page_size and not file.host_pages and pool.refcount[file.pages[-1]] == 1:
+        if offset and offset + n <= page_size and not file.host_pages and self.pool.refcount[file.pages[-1]] == 1:
             # The tokens fit in the file's own, resident last page (most decode steps).
             first = file.pages[-1] * page_size + offset
             file.length += n

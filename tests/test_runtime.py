@@ -284,6 +284,19 @@ def test_symphony_run_streams_output_and_stats(stories_path):
     assert "mean batch size" in result.output and "KV pages peak" in result.output
 
 
+def distribution_guest(body: str) -> bytes:
+    """A WAT guest importing kv_create, pred and send, with tokens 5 and 7 at address 16 and 20,
+    whose `_start` creates a KV file in $kv and then runs `body`."""
+    return wat('''(module
+      (import "symphony" "kv_create" (func $kv_create (result i32)))
+      (import "symphony" "pred" (func $pred (param i32 i32 i32 i32 i32 i32 i32 i32) (result i32)))
+      (import "symphony" "send" (func $send (param i32 i32) (result i32)))
+      (memory (export "memory") 1)
+      (data (i32.const 16) "\\05\\00\\00\\00\\07\\00\\00\\00")
+      (func (export "_start") (local $kv i32)
+        (local.set $kv (call $kv_create))''' + body + "))")
+
+
 def assert_sent_distributions(engine, sent: list[bytes], tokens) -> None:
     """Each message in `sent` is the float32 distribution the Python API gives after feeding
     `tokens` one by one into a fresh KV file, exactly."""
@@ -302,20 +315,13 @@ def test_distribution_lands_in_the_guests_buffer(tiny_engine, offset, processes,
     batch or not, exactly as the Python API returns it; pred returns the count."""
     vocab = tiny_engine.loaded.config.vocab_size
     out = 1024 + offset
-    guest = wat(f'''(module
-      (import "symphony" "kv_create" (func $kv_create (result i32)))
-      (import "symphony" "pred" (func $pred (param i32 i32 i32 i32 i32 i32 i32 i32) (result i32)))
-      (import "symphony" "send" (func $send (param i32 i32) (result i32)))
-      (memory (export "memory") 1)
-      (data (i32.const 16) "\\05\\00\\00\\00\\07\\00\\00\\00")
-      (func (export "_start") (local $kv i32)
-        (local.set $kv (call $kv_create))
+    guest = distribution_guest(f'''
         (drop (call $send (i32.const 0) (call $pred (local.get $kv) (i32.const 16) (i32.const 0) (i32.const 1)
                                                      (i32.const 0) (i32.const 0) (i32.const {out}) (i32.const {vocab}))))
         (drop (call $send (i32.const {out}) (i32.const {4 * vocab})))
         (drop (call $pred (local.get $kv) (i32.const 20) (i32.const 0) (i32.const 1) (i32.const 0) (i32.const 0)
                           (i32.const {out}) (i32.const {vocab})))
-        (drop (call $send (i32.const {out}) (i32.const {4 * vocab})))))''')
+        (drop (call $send (i32.const {out}) (i32.const {4 * vocab})))''')
     batches, process_logits = [], engine_module.process_logits
 
     def spy(logits, wants, generator):  # which rows the batch was given a buffer to write into
@@ -341,14 +347,9 @@ def test_a_process_killed_with_a_distribution_in_flight_leaves_the_host_whole(ti
     """The batch writes a blocking pred's distribution into the guest's memory: a process killed
     and dropped before its batch runs must not leave the engine writing into freed memory."""
     vocab = tiny_engine.loaded.config.vocab_size
-    guest = wat(f'''(module
-      (import "symphony" "kv_create" (func $kv_create (result i32)))
-      (import "symphony" "pred" (func $pred (param i32 i32 i32 i32 i32 i32 i32 i32) (result i32)))
-      (memory (export "memory") 1)
-      (data (i32.const 16) "\\05\\00\\00\\00")
-      (func (export "_start")
-        (drop (call $pred (call $kv_create) (i32.const 16) (i32.const 0) (i32.const 1) (i32.const 0) (i32.const 0)
-                          (i32.const 1024) (i32.const {vocab})))))''')
+    guest = distribution_guest(f'''
+        (drop (call $pred (local.get $kv) (i32.const 16) (i32.const 0) (i32.const 1) (i32.const 0) (i32.const 0)
+                          (i32.const 1024) (i32.const {vocab})))''')
     with Runtime(tiny_engine, drive_in_caller=True) as runtime:
         proc = runtime.spawn(runtime.load(guest, "killed"))
         worker = runtime.workers[0]
@@ -371,21 +372,14 @@ def test_distribution_lands_in_memory_the_guest_grew(tiny_engine):
     memory, the next one lands in the new pages (and the old buffer keeps the first one)."""
     vocab = tiny_engine.loaded.config.vocab_size
     grown = 65536 + 512  # in the page that memory.grow adds
-    guest = wat(f'''(module
-      (import "symphony" "kv_create" (func $kv_create (result i32)))
-      (import "symphony" "pred" (func $pred (param i32 i32 i32 i32 i32 i32 i32 i32) (result i32)))
-      (import "symphony" "send" (func $send (param i32 i32) (result i32)))
-      (memory (export "memory") 1)
-      (data (i32.const 16) "\\05\\00\\00\\00\\07\\00\\00\\00")
-      (func (export "_start") (local $kv i32)
-        (local.set $kv (call $kv_create))
+    guest = distribution_guest(f'''
         (drop (call $pred (local.get $kv) (i32.const 16) (i32.const 0) (i32.const 1) (i32.const 0) (i32.const 0)
                           (i32.const 1024) (i32.const {vocab})))
         (drop (memory.grow (i32.const 1)))
         (drop (call $pred (local.get $kv) (i32.const 20) (i32.const 0) (i32.const 1) (i32.const 0) (i32.const 0)
                           (i32.const {grown}) (i32.const {vocab})))
         (drop (call $send (i32.const 1024) (i32.const {4 * vocab})))
-        (drop (call $send (i32.const {grown}) (i32.const {4 * vocab})))))''')
+        (drop (call $send (i32.const {grown}) (i32.const {4 * vocab})))''')
     with Runtime(tiny_engine) as runtime:
         sent = []
         proc = runtime.spawn(runtime.load(guest, "grow"), on_output=sent.append)
