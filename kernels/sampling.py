@@ -5,10 +5,11 @@ No sort. Each row is read in chunks, several times:
 1. `_process_logits_kernel` writes the processed logits x (logits + bias, -inf where not
    allowed) to an fp32 workspace.
 2. `_sample_kernel`, per block of rows: max and argmax of x; the top-k cut, the k-th largest
-   y = x / temperature, found by searching y's order-preserving int32 keys (8 keys tested per
-   pass over the row; exact, ties at the cut all kept); the top-p cut the same way over the
-   kept probability mass; a Gumbel-max draw, argmax(y + g) over the kept tokens, which is an
-   exact draw from softmax(y) restricted to them; the top log-probs by repeated max.
+   y = (x - max x) / temperature (at most 0: no temperature overflows it), found by searching
+   y's order-preserving int32 keys (8 keys tested per pass over the row; exact, ties at the cut
+   all kept); the top-p cut the same way over the kept probability mass; a Gumbel-max draw,
+   argmax(y + g) over the kept tokens, which is an exact draw from softmax(y) restricted to
+   them; the top log-probs by repeated max.
 Ties in argmax and in the top log-probs go to the lowest token id.
 """
 from __future__ import annotations
@@ -99,10 +100,19 @@ def _process_logits_kernel(logits_ptr, bias_ids_ptr, bias_values_ptr, allowed_pt
 
 
 @triton.jit
-def _search_cut(row_base, row_valid, divisor, y_max, vocab_size, lo, hi, count_lo, target, active,
+def _scaled(row_base, cols, mask, x_max, divisor):
+    """y = (x - x_max) / temperature over a block of columns: at most 0 (the largest token's y is
+    0), so no temperature, however small, overflows it, and exp(y) is the token's unnormalized
+    probability. (x / temperature would overflow to inf at a tiny temperature, and inf - inf is NaN.)"""
+    x = tl.load(row_base + cols[None, :], mask=mask, other=float("-inf"))
+    return (x - x_max[:, None]) / divisor
+
+
+@triton.jit
+def _search_cut(row_base, row_valid, divisor, x_max, vocab_size, lo, hi, count_lo, target, active,
                 BY_MASS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, NUM_PIVOTS: tl.constexpr):
     """Per active row, the largest key t with weight(key >= t) >= target, where the weight of a
-    set of tokens is their count, or with BY_MASS their mass exp(y - y_max). Needs
+    set of tokens is their count, or with BY_MASS their mass exp(y) (`_scaled`). Needs
     weight(lo) >= target > weight(hi); count_lo is the count at lo. Returns (cut, its count).
 
     Each pass over the row tests NUM_PIVOTS keys spread over [lo, hi) at once. The search
@@ -119,11 +129,11 @@ def _search_cut(row_base, row_valid, divisor, y_max, vocab_size, lo, hi, count_l
         for start in range(0, vocab_size, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             mask = row_valid[:, None] & (cols[None, :] < vocab_size)
-            y = tl.load(row_base + cols[None, :], mask=mask, other=float("-inf")) / divisor
+            y = _scaled(row_base, cols, mask, x_max, divisor)
             above = mask[:, :, None] & (_order_key(y)[:, :, None] >= pivots32[:, None, :])  # [B, V, P]
             counts += tl.sum(above.to(tl.int32), 1)
             if BY_MASS:
-                masses += tl.sum(tl.where(above, tl.exp(y - y_max[:, None])[:, :, None], 0.0), 1)
+                masses += tl.sum(tl.where(above, tl.exp(y)[:, :, None], 0.0), 1)
         if BY_MASS:
             enough = masses >= target[:, None]
         else:
@@ -168,7 +178,7 @@ def _sample_kernel(x_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr,
         best = tl.maximum(best, tl.max(tl.where(mask, _pack(x, cols[None, :]), _MIN_PACKED), 1))
     x_max = _packed_value(best)
     token = _packed_token(best)
-    y_max = x_max / row_divisor
+    y_max = tl.zeros([BLOCK_B], tl.float32)  # the largest y (`_scaled`)
 
     # Top-k, then top-p among the top-k: each a cut key, tokens with key >= cut are kept.
     cut = tl.full([BLOCK_B], -(2**31), tl.int64)  # keeps everything
@@ -176,7 +186,7 @@ def _sample_kernel(x_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr,
     above_max = _order_key(y_max).to(tl.int64) + 1  # no key reaches it
     use_top_k = sampled & (top_k > 0) & (top_k < vocab_size)
     if tl.max(use_top_k.to(tl.int32), 0) > 0:
-        cut, cut_count = _search_cut(row_base, row_valid, divisor, y_max, vocab_size, cut, above_max, cut_count,
+        cut, cut_count = _search_cut(row_base, row_valid, divisor, x_max, vocab_size, cut, above_max, cut_count,
                                      top_k.to(tl.float32), use_top_k, False, BLOCK_B, BLOCK_V, NUM_PIVOTS)
     use_top_p = sampled & (top_p < 1.0)
     if tl.max(use_top_p.to(tl.int32), 0) > 0:
@@ -184,10 +194,10 @@ def _sample_kernel(x_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr,
         for start in range(0, vocab_size, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             mask = row_valid[:, None] & (cols[None, :] < vocab_size)
-            y = tl.load(row_base + cols[None, :], mask=mask, other=float("-inf")) / divisor
+            y = _scaled(row_base, cols, mask, x_max, divisor)
             keep = mask & (_order_key(y).to(tl.int64) >= cut[:, None])
-            kept_mass += tl.sum(tl.where(keep, tl.exp(y - y_max[:, None]), 0.0), 1)
-        cut, cut_count = _search_cut(row_base, row_valid, divisor, y_max, vocab_size, cut, above_max, cut_count,
+            kept_mass += tl.sum(tl.where(keep, tl.exp(y), 0.0), 1)
+        cut, cut_count = _search_cut(row_base, row_valid, divisor, x_max, vocab_size, cut, above_max, cut_count,
                                      top_p * kept_mass, use_top_p, True, BLOCK_B, BLOCK_V, NUM_PIVOTS)
 
     # The draw: Gumbel-max over the kept tokens.
@@ -196,7 +206,7 @@ def _sample_kernel(x_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr,
         for start in range(0, vocab_size, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             mask = row_valid[:, None] & (cols[None, :] < vocab_size)
-            y = tl.load(row_base + cols[None, :], mask=mask, other=float("-inf")) / divisor
+            y = _scaled(row_base, cols, mask, x_max, divisor)
             keep = mask & (_order_key(y).to(tl.int64) >= cut[:, None])
             token_grid = cols[None, :] + tl.zeros([BLOCK_B, BLOCK_V], tl.int32)
             perturbed = y + _gumbel(seed[:, None], token_grid)

@@ -236,7 +236,8 @@ class Engine:
                 request = chunk.request
                 result = (PredResult(tokens=request.greedy_each or []) if isinstance(request.want, GreedyEach)
                           else next(done))
-                finished.append((request, result, None))
+                error = result.error  # its row alone failed (process_logits_reference)
+                finished.append((request, None if error else result, error))
         self._finish_all(finished)
 
     def _finish(self, request: PredRequest, result: PredResult | None = None,

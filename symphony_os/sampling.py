@@ -91,6 +91,7 @@ class PredResult:
     top_logprobs: list[float] | None = None
     distribution: torch.Tensor | None = None
     logits: torch.Tensor | None = None  # a host Distribution's logits row, until its softmax is taken
+    error: BaseException | None = None  # this row failed (the engine fails its request alone)
 
     @property
     def probs(self) -> torch.Tensor | None:
@@ -184,7 +185,9 @@ def _sample_row(logits: torch.Tensor, want: Sample, generator: torch.Generator) 
         logits = masked
     if want.temperature == 0:
         return int(logits.argmax())
-    logits = logits / want.temperature
+    # Relative to the largest: at most 0, so no temperature, however small, overflows (the
+    # largest stays 0) and the softmax below is never NaN (kernels/sampling.py does the same).
+    logits = (logits - logits.max()) / want.temperature
     if want.top_k and want.top_k < logits.numel():
         threshold = torch.topk(logits, want.top_k).values[-1]
         logits = logits.masked_fill(logits < threshold, float("-inf"))
@@ -199,37 +202,41 @@ def _sample_row(logits: torch.Tensor, want: Sample, generator: torch.Generator) 
 
 def process_logits_reference(logits: torch.Tensor, wants: list[Want],
                              default_generator: torch.Generator) -> list[PredResult]:
-    """Row by row on the host, with torch's own ops; seeded draws use torch.Generator(seed)."""
+    """Row by row on the host, with torch's own ops; seeded draws use torch.Generator(seed). A
+    row that raises gets a result holding its `error`, and the other rows are answered."""
     results: list[PredResult] = []
     log_probs = greedy = None
     for row, want in enumerate(wants):
-        if isinstance(want, Distribution):
-            into = want.into
-            if (into is not None and into.shape == logits.shape[1:] and into.dtype == logits.dtype
-                    and into.device == logits.device):  # where it goes: written there
-                results.append(PredResult(distribution=torch.softmax(logits[row], dim=-1, out=into)))
-            # A batch of one: the softmax waits to be taken straight into where it goes (a LIP's
-            # buffer: PredResult.write_probs). Of more rows, each is taken here: a row kept for
-            # later would hold the batch's logits (a LIP's unwaited tickets count one row each)
-            # or need a copy of its own, which costs more than it saves (bench/NOTES.md).
-            elif len(logits) == 1:
-                results.append(PredResult(logits=logits[row]))
+        try:
+            if isinstance(want, Distribution):
+                into = want.into
+                if (into is not None and into.shape == logits.shape[1:] and into.dtype == logits.dtype
+                        and into.device == logits.device):  # where it goes: written there
+                    results.append(PredResult(distribution=torch.softmax(logits[row], dim=-1, out=into)))
+                # A batch of one: the softmax waits to be taken straight into where it goes (a LIP's
+                # buffer: PredResult.write_probs). Of more rows, each is taken here: a row kept for
+                # later would hold the batch's logits (a LIP's unwaited tickets count one row each)
+                # or need a copy of its own, which costs more than it saves (bench/NOTES.md).
+                elif len(logits) == 1:
+                    results.append(PredResult(logits=logits[row]))
+                else:
+                    results.append(PredResult(distribution=torch.softmax(logits[row], dim=-1).cpu()))
+            elif isinstance(want, TopK):
+                if log_probs is None:
+                    log_probs = torch.log_softmax(logits, dim=-1)
+                values, ids = torch.topk(log_probs[row], want.k)
+                results.append(PredResult(top_ids=ids.tolist(), top_logprobs=values.tolist()))
+            elif want.temperature == 0 and not want.logit_bias and want.allowed_tokens is None:
+                if greedy is None:  # one argmax over the batch, one transfer
+                    greedy = logits.argmax(dim=-1).tolist()
+                results.append(PredResult(token=greedy[row]))
             else:
-                results.append(PredResult(distribution=torch.softmax(logits[row], dim=-1).cpu()))
-        elif isinstance(want, TopK):
-            if log_probs is None:
-                log_probs = torch.log_softmax(logits, dim=-1)
-            values, ids = torch.topk(log_probs[row], want.k)
-            results.append(PredResult(top_ids=ids.tolist(), top_logprobs=values.tolist()))
-        elif want.temperature == 0 and not want.logit_bias and want.allowed_tokens is None:
-            if greedy is None:  # one argmax over the batch, one transfer
-                greedy = logits.argmax(dim=-1).tolist()
-            results.append(PredResult(token=greedy[row]))
-        else:
-            generator = default_generator
-            if want.seed is not None:
-                generator = torch.Generator().manual_seed(want.seed)
-            results.append(PredResult(token=_sample_row(logits[row], want, generator)))
+                generator = default_generator
+                if want.seed is not None:
+                    generator = torch.Generator().manual_seed(want.seed)
+                results.append(PredResult(token=_sample_row(logits[row], want, generator)))
+        except Exception as error:  # one request's failure is its own: the batch's other rows go on
+            results.append(PredResult(error=error))
     return results
 
 

@@ -4,6 +4,7 @@ import threading
 import pytest
 import torch
 
+from symphony_os import sampling
 from symphony_os.engine import Engine
 from symphony_os.errors import BadHandle, FileBusy, InvalidArgument, PoolExhausted, PositionError, ReadOnlyFile
 from symphony_os.kvfs import OpenFlags
@@ -136,6 +137,33 @@ def test_bad_requests_are_refused_at_submit(tiny_engine, want):
     h = kv.create()
     with pytest.raises(InvalidArgument):
         tiny_engine.submit(kv, h, [1, 2], want=want)
+    kv.close_all()
+
+
+def test_a_row_that_fails_fails_only_its_own_request(tiny_engine, monkeypatch):
+    """Defence in depth under the validation at submit: whatever still makes one row's sampling
+    raise reaches that request alone; its neighbours in the batch get their tokens, its file is
+    rolled back, and the engine goes on."""
+    real = sampling._sample_row
+
+    def sample_row(logits, want, generator):
+        if want.seed == 13:
+            raise RuntimeError("this row's sampling broke")
+        return real(logits, want, generator)
+
+    monkeypatch.setattr(sampling, "_sample_row", sample_row)
+    kv = tiny_engine.session()
+    handles = [kv.create() for _ in range(3)]
+    wants = [Sample(temperature=1.0, seed=12), Sample(temperature=1.0, seed=13), Sample()]
+    batches = tiny_engine.stats().batches
+    futures = [tiny_engine.submit(kv, h, [1, 5, 9], want=w) for h, w in zip(handles, wants)]
+    tiny_engine.run_until_idle()
+    assert tiny_engine.stats().batches == batches + 1  # the three shared one batch
+    with pytest.raises(RuntimeError, match="this row's sampling broke"):
+        futures[1].result()
+    assert futures[0].result().token == sample_next(tiny_engine, [1, 5, 9], wants[0])
+    assert futures[2].result().token == sample_next(tiny_engine, [1, 5, 9], Sample())
+    assert [kv.len(h) for h in handles] == [3, 0, 3]
     kv.close_all()
 
 

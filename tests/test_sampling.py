@@ -65,6 +65,20 @@ def test_seeded_draws_repeat_per_call_and_stay_in_the_kept_set():
     assert tokens[10:] == [greedy] * 20
 
 
+def test_a_vanishing_temperature_or_a_bias_at_the_float_limit_still_gives_a_token_on_both_paths():
+    """logits / temperature overflowed to inf, and inf - inf is NaN: the host's multinomial
+    raised (failing its whole batch) and the kernel drew token 0. Relative to the row's largest
+    logit nothing overflows: the draw is the argmax, or among the biased tokens."""
+    logits = random_logits(5, seed=4)
+    wants = [Sample(temperature=1e-45), Sample(temperature=1e-45, seed=3), Sample(temperature=1e-30, top_k=3, top_p=0.5),
+             Sample(temperature=1e-5, logit_bias={5: 3.4e38, 6: 3.4e38}, seed=1),
+             Sample(temperature=1.0, top_p=0.5, logit_bias={5: 3.4e38, 6: -3.4e38})]
+    for results in both(logits, wants):
+        tokens = [r.token for r in results]
+        assert tokens[:3] == logits[:3].argmax(-1).tolist()
+        assert tokens[3] in (5, 6) and tokens[4] == 5
+
+
 def test_unseeded_draws_follow_the_default_generator():
     logits = random_logits(16, seed=3).to(DEVICE)
     wants = [Sample(temperature=1.5)] * 16
