@@ -41,6 +41,7 @@ ARGS = max(arity for _, arity in CALLS)  # every call in the driver takes this m
 RECORD = struct.Struct(f"<B{ARGS}i")
 INPUT_AT, INPUT_CAP, MEMORY_PAGES = 3 * 65536, 65536, 4
 IDS, TEXT, SAMPLING = 1024, 2048, 4096
+EXTREMES = SAMPLING + 96  # four float bias values after the two sampling records
 MAX_CALLS = 40
 SUMMARY: list[str] = []  # lines for the end of the pytest run (conftest.py prints them)
 FUZZ_LIMITS = ProcessLimits(cpu_time_s=2.0, wall_time_s=10.0, output_bytes=1 << 20, kv_handles=64, kv_pages=64,
@@ -59,7 +60,11 @@ def driver_module() -> bytes:
         args = " ".join(f"(local.get {i})" for i in range(arity))
         call = "(memory.grow (i32.and (local.get 0) (i32.const 3)))" if name == "memory.grow" else f"(call ${name} {args})"
         wrappers.append(f"(func $w{index} (type $any) {call})")
-    sampling = struct.pack("<ffiiQiiiii4x", 0.8, 0.9, 5, 1, 7, IDS, 4, IDS, IDS, 2)  # sym_sampling, 48 bytes
+    # Two sym_sampling records (48 bytes each): a plain one, and one at the edges of what is valid
+    # (a vanishing temperature and top_p, the largest seed, biases at the float limit).
+    sampling = struct.pack("<ffiiQiiiii4x", 0.8, 0.9, 5, 1, 7, IDS, 4, IDS, IDS, 2)
+    sampling += struct.pack("<ffiiQiiiii4x", 1e-45, 1e-45, 1, 1, 2**64 - 1, IDS, 16, IDS, EXTREMES, 4)
+    sampling += struct.pack("<4f", 3.4e38, -3.4e38, 3.4e38, 1e-45)
     ids = "".join(f"\\{i:02x}\\00\\00\\00" for i in range(1, 17))
     sampling = "".join(f"\\{b:02x}" for b in sampling)
     return wat(f"""(module
@@ -89,7 +94,7 @@ def driver_module() -> bytes:
 # Arguments: mostly plausible handles, tickets, lengths and pointers into the driver's data,
 # with edges (negative, huge, just past memory) and anything at all.
 _INTERESTING = [0, 1, 2, 3, 4, 5, 6, 8, 16, 17, 64, 255, 1024, -1, -2, -12, 2**31 - 1, -2**31, IDS, TEXT, TEXT + 4,
-                TEXT + 7, SAMPLING, 65535, 65536, MEMORY_PAGES * 65536 - 4, MEMORY_PAGES * 65536, 1 << 20]
+                TEXT + 7, SAMPLING, SAMPLING + 48, 65535, 65536, MEMORY_PAGES * 65536 - 4, MEMORY_PAGES * 65536, 1 << 20]
 argument = st.one_of(st.sampled_from(_INTERESTING), st.integers(0, 20), st.integers(-2**31, 2**31 - 1),
                      st.integers(0, MEMORY_PAGES * 65536))
 # Plausible arguments by parameter name (HostCalls' own signatures), so that sequences get past
@@ -98,7 +103,8 @@ _small = st.one_of(st.sampled_from([1, 1, 1, 2, 2, 3]), st.integers(-1, 8))
 _ids = st.one_of(st.sampled_from([IDS, IDS + 8, IDS + 60]), argument)  # 16 valid token ids, then zeros
 _pointer = st.one_of(st.sampled_from([IDS, IDS + 8, TEXT, TEXT + 4, TEXT + 7, SAMPLING, 0, 8192]), argument)
 _ROLES = {"kv": _small, "first": _small, "second": _small, "ticket": _small, "fd": st.integers(0, 3),
-          "flags": st.integers(0, 8), "kind": st.integers(0, 4), "arg": st.sampled_from([0, 1, 3, SAMPLING]),
+          "flags": st.integers(0, 8), "kind": st.integers(0, 4),
+          "arg": st.sampled_from([0, 1, 3, SAMPLING, SAMPLING + 48]),
           "start": st.integers(0, 20), "end": st.integers(0, 20), "length": st.integers(0, 20),
           "n": st.integers(1, 16), "cap": st.sampled_from([0, 4, 16, 256, 4096]), "keep_for_ms": st.integers(-1, 5),
           "priority": st.integers(-2, 2), "ids_ptr": _ids, "pos_ptr": st.sampled_from([0, 0, 0, IDS, IDS + 4, TEXT])}
@@ -126,6 +132,19 @@ host_call = st.one_of(st.tuples(st.integers(0, 255), st.lists(argument, min_size
                       _plausible_call, _plausible_call, _plausible_call)  # three in four plausible
 call_sequence = st.lists(host_call, max_size=MAX_CALLS)
 
+
+
+def _call(name: str, *args: int) -> tuple[int, list[int]]:
+    return [n for n, _ in CALLS].index(name), [*args, *[0] * (ARGS - len(args))]
+
+
+# Call sequences that once broke an invariant, run before the generated ones every time.
+KNOWN_INPUTS = [
+    # A sampled pred at the edges of the sampling record (a vanishing temperature, biases at
+    # the float limit): the host's sampler raised on NaN, and the whole batch failed.
+    [_call("kv_create"), _call("pred", 1, IDS, 0, 1, 2, SAMPLING + 48, 0, 0),
+     _call("pred_submit", 1, IDS, 0, 3, 2, SAMPLING + 48), _call("pred_wait", 1, 0, 0)],
+]
 
 def fuzz_settings(max_examples: int, derandomize: bool = True) -> settings:
     """No deadline (a pred waits for a batch), no example database, no health checks (inputs are
@@ -174,8 +193,12 @@ def module_bytes(draw) -> bytes:
     return bytes(data)
 
 
+INTERNAL_LOGGERS = ("symphony.hostcalls", "symphony.component", "symphony.process")
+
+
 class InternalErrors(logging.Handler):
-    """Counts host-call failures that became INTERNAL (logged by hostcalls.py / component.py)."""
+    """Counts host-call failures that became INTERNAL (logged by hostcalls.py, component.py, and
+    process.py when finishing a blocking call: a pred whose batch failed)."""
 
     def __init__(self):
         super().__init__(logging.ERROR)
@@ -202,13 +225,13 @@ class FuzzHost:
         self.engine.pred(bob, secret, [1, 2, 3, 4, 5, 6])
         bob.close(secret)
         self.errors = InternalErrors()
-        for name in ("symphony.hostcalls", "symphony.component"):
+        for name in INTERNAL_LOGGERS:
             logging.getLogger(name).addHandler(self.errors)
         self.inputs = 0
         self.baseline = self.footprint()
 
     def close(self) -> None:
-        for name in ("symphony.hostcalls", "symphony.component"):
+        for name in INTERNAL_LOGGERS:
             logging.getLogger(name).removeHandler(self.errors)
         self.runtime.close()
         self.engine.stop()

@@ -2,10 +2,10 @@
 tests/fuzzing.py (host calls from a guest, module bytes on the upload path). `make fuzz
 SECONDS=N` (tests/fuzz.py) runs the same fuzzers for longer and reports coverage."""
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 
 import fuzzing
-from fuzzing import FuzzHost, call_sequence, encode, fuzz_settings, module_bytes
+from fuzzing import KNOWN_INPUTS, FuzzHost, call_sequence, encode, fuzz_settings, module_bytes
 
 HOSTCALL_INPUTS, MODULE_INPUTS = 1500, 1500
 
@@ -25,6 +25,8 @@ def test_host_call_fuzzing_keeps_every_invariant(fuzz_host):
     def run(calls):
         fuzz_host.run_calls(encode(calls))
 
+    for known in KNOWN_INPUTS:
+        run = example(known)(run)
     run()
     fuzzing.SUMMARY.append(f"host-call fuzzing: {fuzz_host.inputs - start} inputs")
 
