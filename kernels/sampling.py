@@ -101,9 +101,10 @@ def _process_logits_kernel(logits_ptr, bias_ids_ptr, bias_values_ptr, allowed_pt
 
 @triton.jit
 def _scaled(row_base, cols, mask, x_max, divisor):
-    """y = (x - x_max) / temperature over a block of columns: at most 0 (the largest token's y is
-    0), so no temperature, however small, overflows it, and exp(y) is the token's unnormalized
-    probability. (x / temperature would overflow to inf at a tiny temperature, and inf - inf is NaN.)"""
+    """y = (x - x_max) / divisor (the row's temperature; 1 for greedy rows) over a block of
+    columns: at most 0 (the largest token's y is 0), so no temperature, however small, overflows
+    it, and exp(y) is the token's unnormalized probability. (x / temperature would overflow to
+    inf at a tiny temperature, and inf - inf is NaN.)"""
     x = tl.load(row_base + cols[None, :], mask=mask, other=float("-inf"))
     return (x - x_max[:, None]) / divisor
 
@@ -178,12 +179,11 @@ def _sample_kernel(x_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr,
         best = tl.maximum(best, tl.max(tl.where(mask, _pack(x, cols[None, :]), _MIN_PACKED), 1))
     x_max = _packed_value(best)
     token = _packed_token(best)
-    y_max = tl.zeros([BLOCK_B], tl.float32)  # the largest y (`_scaled`)
 
     # Top-k, then top-p among the top-k: each a cut key, tokens with key >= cut are kept.
     cut = tl.full([BLOCK_B], -(2**31), tl.int64)  # keeps everything
     cut_count = tl.zeros([BLOCK_B], tl.int32) + vocab_size
-    above_max = _order_key(y_max).to(tl.int64) + 1  # no key reaches it
+    above_max = tl.full([BLOCK_B], 1, tl.int64)  # y <= 0 (`_scaled`): no key reaches 1, the key of y = 0 being 0
     use_top_k = sampled & (top_k > 0) & (top_k < vocab_size)
     if tl.max(use_top_k.to(tl.int32), 0) > 0:
         cut, cut_count = _search_cut(row_base, row_valid, divisor, x_max, vocab_size, cut, above_max, cut_count,

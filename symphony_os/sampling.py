@@ -15,6 +15,7 @@ definition the device path is tested against).
 from __future__ import annotations
 
 import math
+import traceback
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +26,8 @@ from .errors import InvalidArgument
 # TopK rows up to this k take the sampling kernel's top log-probs (one pass over the row per
 # rank); beyond it, torch.topk's radix select costs less.
 KERNEL_MAX_TOP_K = 32
+
+FLOAT32_MAX = torch.finfo(torch.float32).max  # a logit bias beyond it is inf in the batch's float32 logits
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,9 @@ class TopK:
 class Sample:
     """Choose one token.
 
-    temperature 0 is greedy (argmax); any positive one, however small, samples (the logits are
-    scaled relative to the largest, so none overflows: a vanishing one acts as greedy). `seed`
+    temperature 0 is greedy (argmax); any finite positive one, however small, samples (the
+    logits are scaled relative to the largest, so none overflows: a vanishing one draws among
+    the tokens tied at the largest logit). `seed`
     makes this one draw reproducible (a LIP that wants a reproducible sequence passes seed +
     step); the draw for a seed differs between the host and the device path, each is
     deterministic. `logit_bias` maps token id -> value added to its logit; `allowed_tokens`
@@ -151,14 +155,16 @@ def validate_want(want: Want, vocab_size: int) -> None:
         return
     if not isinstance(want, Sample):
         raise InvalidArgument(f"unknown pred output {want!r}")
-    if not want.temperature >= 0:
-        raise InvalidArgument(f"temperature must be >= 0, got {want.temperature}")
+    if not 0 <= want.temperature < math.inf:
+        raise InvalidArgument(f"temperature must be finite and >= 0, got {want.temperature}")
     if not 0 < want.top_p <= 1:
         raise InvalidArgument(f"top_p must be in (0, 1], got {want.top_p}")
     if want.top_k < 0:
         raise InvalidArgument(f"top_k must be >= 0, got {want.top_k}")
-    if not all(math.isfinite(value) for value in want.logit_bias.values()):
-        raise InvalidArgument("logit_bias values must be finite numbers")
+    if not all(abs(value) <= FLOAT32_MAX for value in want.logit_bias.values()):  # (NaN fails too)
+        raise InvalidArgument(f"logit_bias values must be finite float32 numbers (at most {FLOAT32_MAX:g})")
+    if want.seed is not None and not -2**63 <= want.seed < 2**64:
+        raise InvalidArgument(f"a seed is a 64-bit integer, got {want.seed}")
     ids = list(want.logit_bias) + list(want.allowed_tokens or ())
     if any(not isinstance(i, int) or not 0 <= i < vocab_size for i in ids):
         raise InvalidArgument(f"token ids in logit_bias / allowed_tokens must be in [0, {vocab_size})")
@@ -238,7 +244,9 @@ def process_logits_reference(logits: torch.Tensor, wants: list[Want],
                     generator = torch.Generator().manual_seed(want.seed)
                 results.append(PredResult(token=_sample_row(logits[row], want, generator)))
         except Exception as error:  # one request's failure is its own: the batch's other rows go on
-            results.append(PredResult(error=error))
+            # Kept without its frames, which hold the batch's logits until the request is answered.
+            error.add_note("".join(traceback.format_tb(error.__traceback__)).rstrip())
+            results.append(PredResult(error=error.with_traceback(None)))
     return results
 
 

@@ -42,11 +42,13 @@ def main() -> int:
     root = Path(__file__).resolve().parent.parent
     cov = coverage.Coverage(source=[str(root / "symphony_os")], data_file=None)
     cov.start()  # before symphony_os is imported, so its module-level lines count
-    from fuzzing import FuzzHost, call_sequence, encode, module_bytes
+    from fuzzing import KNOWN_INPUTS, FuzzHost, call_sequence, encode, module_bytes
 
     host = FuzzHost()
     try:
         started = time.monotonic()
+        for known in KNOWN_INPUTS:
+            host.run_calls(encode(known))
         calls = fuzz(lambda c: host.run_calls(encode(c)), call_sequence, args.seconds * 2 / 3)
         modules = fuzz(host.load, module_bytes(), max(0.0, args.seconds - (time.monotonic() - started)))
         elapsed = time.monotonic() - started

@@ -41,6 +41,7 @@ ARGS = max(arity for _, arity in CALLS)  # every call in the driver takes this m
 RECORD = struct.Struct(f"<B{ARGS}i")
 INPUT_AT, INPUT_CAP, MEMORY_PAGES = 3 * 65536, 65536, 4
 IDS, TEXT, SAMPLING = 1024, 2048, 4096
+EXTREME_SAMPLING = SAMPLING + 48  # the second sampling record
 EXTREMES = SAMPLING + 96  # four float bias values after the two sampling records
 MAX_CALLS = 40
 SUMMARY: list[str] = []  # lines for the end of the pytest run (conftest.py prints them)
@@ -94,7 +95,7 @@ def driver_module() -> bytes:
 # Arguments: mostly plausible handles, tickets, lengths and pointers into the driver's data,
 # with edges (negative, huge, just past memory) and anything at all.
 _INTERESTING = [0, 1, 2, 3, 4, 5, 6, 8, 16, 17, 64, 255, 1024, -1, -2, -12, 2**31 - 1, -2**31, IDS, TEXT, TEXT + 4,
-                TEXT + 7, SAMPLING, SAMPLING + 48, 65535, 65536, MEMORY_PAGES * 65536 - 4, MEMORY_PAGES * 65536, 1 << 20]
+                TEXT + 7, SAMPLING, EXTREME_SAMPLING, 65535, 65536, MEMORY_PAGES * 65536 - 4, MEMORY_PAGES * 65536, 1 << 20]
 argument = st.one_of(st.sampled_from(_INTERESTING), st.integers(0, 20), st.integers(-2**31, 2**31 - 1),
                      st.integers(0, MEMORY_PAGES * 65536))
 # Plausible arguments by parameter name (HostCalls' own signatures), so that sequences get past
@@ -104,7 +105,7 @@ _ids = st.one_of(st.sampled_from([IDS, IDS + 8, IDS + 60]), argument)  # 16 vali
 _pointer = st.one_of(st.sampled_from([IDS, IDS + 8, TEXT, TEXT + 4, TEXT + 7, SAMPLING, 0, 8192]), argument)
 _ROLES = {"kv": _small, "first": _small, "second": _small, "ticket": _small, "fd": st.integers(0, 3),
           "flags": st.integers(0, 8), "kind": st.integers(0, 4),
-          "arg": st.sampled_from([0, 1, 3, SAMPLING, SAMPLING + 48]),
+          "arg": st.sampled_from([0, 1, 3, SAMPLING, EXTREME_SAMPLING]),
           "start": st.integers(0, 20), "end": st.integers(0, 20), "length": st.integers(0, 20),
           "n": st.integers(1, 16), "cap": st.sampled_from([0, 4, 16, 256, 4096]), "keep_for_ms": st.integers(-1, 5),
           "priority": st.integers(-2, 2), "ids_ptr": _ids, "pos_ptr": st.sampled_from([0, 0, 0, IDS, IDS + 4, TEXT])}
@@ -133,18 +134,19 @@ host_call = st.one_of(st.tuples(st.integers(0, 255), st.lists(argument, min_size
 call_sequence = st.lists(host_call, max_size=MAX_CALLS)
 
 
-
 def _call(name: str, *args: int) -> tuple[int, list[int]]:
     return [n for n, _ in CALLS].index(name), [*args, *[0] * (ARGS - len(args))]
 
 
-# Call sequences that once broke an invariant, run before the generated ones every time.
+# Call sequences that once broke an invariant: the CI budget (test_fuzz.py) and `make fuzz` run
+# them before the generated ones.
 KNOWN_INPUTS = [
     # A sampled pred at the edges of the sampling record (a vanishing temperature, biases at
     # the float limit): the host's sampler raised on NaN, and the whole batch failed.
-    [_call("kv_create"), _call("pred", 1, IDS, 0, 1, 2, SAMPLING + 48, 0, 0),
-     _call("pred_submit", 1, IDS, 0, 3, 2, SAMPLING + 48), _call("pred_wait", 1, 0, 0)],
+    [_call("kv_create"), _call("pred", 1, IDS, 0, 1, 2, EXTREME_SAMPLING, 0, 0),
+     _call("pred_submit", 1, IDS, 0, 3, 2, EXTREME_SAMPLING), _call("pred_wait", 1, 0, 0)],
 ]
+
 
 def fuzz_settings(max_examples: int, derandomize: bool = True) -> settings:
     """No deadline (a pred waits for a batch), no example database, no health checks (inputs are

@@ -68,15 +68,23 @@ def slow_to_compile(locals_: int = 16000) -> bytes:
 def overflowing_sampler(temperature: float, bias: float) -> bytes:
     """Eight sampled preds of one token under a sym_sampling that overflows a naive sampler
     (logits / temperature = inf, and inf - inf is NaN; that once failed every pred in the
-    batch), with tokens 5 and 6 biased by `bias`. Sends how many preds gave a token, and the last."""
+    batch), with tokens 5 and 6 biased by `bias`, then eight greedy ones on a second file. Sends
+    how many sampled preds gave a token, the last sampled token and the last greedy one."""
     record = struct.pack("<ffiiQiiiii4x", temperature, 1.0, 0, 0, 0, 0, 0, TEXT + 64, TEXT + 72, 2 if bias else 0)
     data = record + bytes(64 - len(record)) + struct.pack("<2i2f", 5, 6, bias, bias)
     escaped = "".join(f"\\{b:02x}" for b in data)
-    return guest(f"""(local.set $h (call $kv_create))
-        (loop $l (local.set $r (call $pred (local.get $h) (i32.const {IDS}) (i32.const 0) (i32.const 1) (i32.const 2)
-                                     (i32.const {TEXT}) (i32.const 0) (i32.const 0)))
-          (if (i32.ge_s (local.get $r) (i32.const 0)) (then (local.set $i (i32.add (local.get $i) (i32.const 1)))))
-          (br_if $l (i32.lt_s (local.get $i) (i32.const 8))))""" + report("(local.get $i)", "(local.get $r)"),
+
+    def eight_preds(sampling: int, then: str) -> str:  # $r: the last result; `then` runs after each success
+        return f"""(local.set $h (call $kv_create)) (i32.store (i32.const 96) (i32.const 0))
+            (loop $l (local.set $r (call $pred (local.get $h) (i32.const {IDS}) (i32.const 0) (i32.const 1)
+                                         (i32.const 2) (i32.const {sampling}) (i32.const 0) (i32.const 0)))
+              (if (i32.ge_s (local.get $r) (i32.const 0)) (then {then}))
+              (i32.store (i32.const 96) (i32.add (i32.load (i32.const 96)) (i32.const 1)))
+              (br_if $l (i32.lt_s (i32.load (i32.const 96)) (i32.const 8))))"""
+
+    return guest(eight_preds(TEXT, "(local.set $i (i32.add (local.get $i) (i32.const 1)))")
+                 + "(i32.store (i32.const 100) (local.get $r))" + eight_preds(0, "")
+                 + report("(local.get $i)", "(i32.load (i32.const 100))", "(local.get $r)"),
                  data=f'(data (i32.const {TEXT}) "{escaped}")')
 
 
@@ -195,7 +203,7 @@ CORPUS: dict[str, Hostile] = {
     "wild pointers on every call": Hostile(abusive_module, exit_code=0,
                                            sends=lambda got: got[:len(ABUSE_CASES)] == [int(c[2]) for c in ABUSE_CASES]),
     "sampling at a vanishing temperature": Hostile(lambda: overflowing_sampler(1e-45, 0.0), exit_code=0,
-                                                   sends=lambda got: got[0] == 8 and 0 <= got[1] < 512),
+                                                   sends=lambda got: got[0] == 8 and got[1] == got[2]),
     "logit bias at the float limit": Hostile(lambda: overflowing_sampler(1e-5, 3.4e38), exit_code=0,
                                              sends=lambda got: got[0] == 8 and got[1] in (5, 6)),
     "positions out of order": Hostile(lambda: guest("""(local.set $h (call $kv_create))

@@ -33,7 +33,7 @@ def reference_probs(x: torch.Tensor, temperature: float, top_k: int, top_p: floa
     """The distribution one row is drawn from (float64), as symphony_os.sampling defines it."""
     if temperature == 0:
         return torch.nn.functional.one_hot(x.argmax(), x.numel()).double()
-    y = x / temperature
+    y = (x - x.max()) / temperature
     if 0 < top_k < y.numel():
         y = y.masked_fill(y < y.topk(top_k).values[-1], float("-inf"))
     probs = y.softmax(-1)

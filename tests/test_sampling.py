@@ -67,8 +67,8 @@ def test_seeded_draws_repeat_per_call_and_stay_in_the_kept_set():
 
 def test_a_vanishing_temperature_or_a_bias_at_the_float_limit_still_gives_a_token_on_both_paths():
     """logits / temperature overflowed to inf, and inf - inf is NaN: the host's multinomial
-    raised (failing its whole batch) and the kernel drew token 0. Relative to the row's largest
-    logit nothing overflows: the draw is the argmax, or among the biased tokens."""
+    raised (failing its whole batch) and the kernel drew the lowest id that overflowed. Relative
+    to the row's largest logit nothing overflows: the draw is the argmax, or a biased token."""
     logits = random_logits(5, seed=4)
     wants = [Sample(temperature=1e-45), Sample(temperature=1e-45, seed=3), Sample(temperature=1e-30, top_k=3, top_p=0.5),
              Sample(temperature=1e-5, logit_bias={5: 3.4e38, 6: 3.4e38}, seed=1),

@@ -54,7 +54,7 @@ typedef int32_t sym_ticket;  /* a pred in flight (> 0), or a negative error */
 
 /* How the host samples a token (48 bytes; the layout is part of the ABI). */
 typedef struct sym_sampling {
-    float temperature;          /* 0: greedy, any value > 0 (however small) samples */
+    float temperature;          /* 0: greedy, any finite value > 0 (however small) samples */
     float top_p;                /* 1: off */
     int32_t top_k;              /* 0: off */
     int32_t has_seed;           /* 1: use seed */
