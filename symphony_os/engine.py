@@ -237,7 +237,7 @@ class Engine:
                 result = (PredResult(tokens=request.greedy_each or []) if isinstance(request.want, GreedyEach)
                           else next(done))
                 error = result.error  # its row alone failed (process_logits_reference)
-                finished.append((request, None if error else result, error))
+                finished.append((request, result if error is None else None, error))
         self._finish_all(finished)
 
     def _finish(self, request: PredRequest, result: PredResult | None = None,
