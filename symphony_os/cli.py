@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from .sampling import Sample
+from .errors import InvalidArgument
+from .sampling import Sample, validate_want
 
 
 def _engine_options(func):
@@ -53,6 +54,14 @@ def main():
 def generate(model_path, device, dtype, attention, page_size, kv_pages, prompt, max_tokens, temperature,
              top_p, top_k, seed):
     """Stream a completion of PROMPT through the batch scheduler."""
+    def sampling(step: int) -> Sample:
+        return Sample(temperature=temperature, top_p=top_p, top_k=top_k, seed=None if seed is None else seed + step)
+
+    try:  # before the model loads: a bad value is refused at once, in one line
+        for step in (0, max(max_tokens - 1, 0)):
+            validate_want(sampling(step), vocab_size=1)  # (no token ids to check against the vocabulary)
+    except InvalidArgument as error:
+        raise click.UsageError(str(error)) from None
     engine = _make_engine(model_path, device, dtype, attention, page_size, kv_pages)
     eos = set(engine.loaded.eos_token_ids)
     session = engine.session()
@@ -62,9 +71,7 @@ def generate(model_path, device, dtype, attention, page_size, kv_pages, prompt, 
     printed = ""
     feed = ids
     for step in range(max_tokens):
-        want = Sample(temperature=temperature, top_p=top_p, top_k=top_k,
-                      seed=None if seed is None else seed + step)
-        token = engine.pred(session, handle, feed, want=want).token
+        token = engine.pred(session, handle, feed, want=sampling(step)).token
         if token in eos:
             break
         generated.append(token)

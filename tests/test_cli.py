@@ -1,4 +1,5 @@
 """The `symphony` command line."""
+import pytest
 import torch
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -25,6 +26,17 @@ def test_generate_with_seed_is_reproducible(tiny_llama):
     first, second = CliRunner().invoke(main, args), CliRunner().invoke(main, args)
     assert first.exit_code == 0, first.output
     assert first.output == second.output and len(first.output.split()) > 2
+
+
+@pytest.mark.parametrize("option, value, message", [("--temperature", "inf", "temperature must be finite"),
+                                                   ("--temperature", "nan", "temperature must be finite"),
+                                                   ("--top-p", "0", "top_p must be in"),
+                                                   ("--top-k", "-1", "top_k must be >= 0"),
+                                                   ("--seed", str(2**64 - 1), "a seed is a 64-bit integer")])
+def test_generate_refuses_bad_sampling_in_one_line_before_loading(option, value, message):
+    """Checked before the model loads (this model path does not even exist)."""
+    result = CliRunner().invoke(main, ["generate", "--model", "/nonexistent", "--prompt", "x", option, value])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, result.output
 
 
 def test_info_describes_model_and_pool(tiny_llama):
