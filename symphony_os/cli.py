@@ -19,8 +19,10 @@ def _engine_options(func):
         click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
                      help="Weights and KV dtype (default: float32 on CPU, bfloat16 on GPU)."),
         click.option("--attention", default=None, help="Force an attention backend (also $SYMPHONY_ATTENTION)."),
-        click.option("--page-size", default=16, show_default=True, help="KV page size in tokens."),
-        click.option("--kv-pages", default=None, type=int, help="KV pool size in pages (default: by memory)."),
+        click.option("--page-size", default=16, show_default=True, type=click.IntRange(min=1),
+                     help="KV page size in tokens."),
+        click.option("--kv-pages", default=None, type=click.IntRange(min=1),
+                     help="KV pool size in pages (default: by memory)."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -46,7 +48,8 @@ def main():
 @main.command()
 @_engine_options
 @click.option("--prompt", required=True, help="Text to continue.")
-@click.option("--max-tokens", default=64, show_default=True, help="Tokens to generate at most.")
+@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(min=0),
+              help="Tokens to generate at most.")
 @click.option("--temperature", default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--top-k", default=0, show_default=True, help="0 keeps all tokens.")

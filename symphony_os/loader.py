@@ -45,6 +45,18 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_device(device: str) -> None:
+    """Raise ModelLoadError unless `device` is the CPU or a CUDA GPU that torch can use here."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise ModelLoadError(f"unknown device {device!r}: cpu, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r}: torch sees no CUDA GPU here (a CPU build of torch, or no driver)")
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     """float32 on CPU, bfloat16 on GPU unless asked otherwise."""
     if isinstance(dtype, torch.dtype):
@@ -213,8 +225,9 @@ def resolve_model_source(source: str | Path) -> Path:
 def load_model(source: str | Path, dtype: str | torch.dtype | None = None, device: str | None = None) -> LoadedModel:
     """Load a model from a Hugging Face directory, a .gguf file or a hub id onto `device`
     (default: cuda when present)."""
-    path = resolve_model_source(source)
     device = device or default_device()
+    check_device(device)
+    path = resolve_model_source(source)
     torch_dtype = resolve_dtype(dtype, device)
     if path.is_file():
         if path.suffix.lower() != ".gguf":

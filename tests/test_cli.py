@@ -32,11 +32,23 @@ def test_generate_with_seed_is_reproducible(tiny_llama):
                                                    ("--temperature", "nan", "temperature must be finite"),
                                                    ("--top-p", "0", "top_p must be in"),
                                                    ("--top-k", "-1", "top_k must be >= 0"),
-                                                   ("--seed", str(2**64 - 1), "a seed is a 64-bit integer")])
-def test_generate_refuses_bad_sampling_in_one_line_before_loading(option, value, message):
+                                                   ("--seed", str(2**64 - 1), "a seed is a 64-bit integer"),
+                                                   ("--max-tokens", "-5", "-5 is not in the range x>=0"),
+                                                   ("--page-size", "0", "0 is not in the range x>=1"),
+                                                   ("--kv-pages", "0", "0 is not in the range x>=1")])
+def test_generate_refuses_bad_options_in_one_line_before_loading(option, value, message):
     """Checked before the model loads (this model path does not even exist)."""
     result = CliRunner().invoke(main, ["generate", "--model", "/nonexistent", "--prompt", "x", option, value])
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, result.output
+
+
+@pytest.mark.parametrize("device, message", [
+    ("tpu", "unknown device 'tpu'"), ("cuda:x", "unknown device 'cuda:x'"),
+    pytest.param("cuda", "torch sees no CUDA GPU here", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="a CUDA GPU is here: --device cuda is valid"))])
+def test_a_device_torch_cannot_use_is_refused_in_one_line(tiny_llama, device, message):
+    result = CliRunner().invoke(main, ["info", "--model", str(tiny_llama), "--device", device])
+    assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output, result.output
 
 
 def test_info_describes_model_and_pool(tiny_llama):
