@@ -195,14 +195,15 @@ def run(program, args, model_path, device, dtype, attention, page_size, kv_pages
 @main.command()
 @_engine_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", default=8000, show_default=True, help="Port to listen on.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on.")
 @click.option("--tenants", "tenants_file", type=click.Path(dir_okay=False, exists=True), default=None,
               help="TOML file of tenants, tokens and quotas (default: one tenant, no token).")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None,
               help="Where uploaded programs are stored (default: a temporary directory).")
 @click.option("--grace", "grace_s", default=30.0, show_default=True,
               help="Seconds before a process whose client vanished is killed (unless launched detached).")
-@click.option("--workers", default=1, show_default=True, help="Scheduler threads polling LIP processes.")
+@click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Scheduler threads polling LIP processes.")
 @click.option("--log-level", default="info", show_default=True)
 def serve(model_path, device, dtype, attention, page_size, kv_pages, host, port, tenants_file, data_dir, grace_s,
           workers, log_level):

@@ -4,6 +4,7 @@ talking to `symphony serve` through `symphony_os.client`. Each takes --server an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import threading
@@ -19,7 +20,7 @@ def parse_env(pairs: tuple[str, ...]) -> dict[str, str]:
     env = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
-        if not sep:
+        if not sep or not name:
             raise click.BadParameter(f"{pair!r} is not NAME=VALUE", param_hint="--env")
         env[name] = value
     return env
@@ -38,16 +39,23 @@ def _fail(error: Exception) -> None:
     raise click.ClickException(f"{prefix}: {reason}")
 
 
-def _calling(server: str, token: str | None, call):
+@contextlib.contextmanager
+def _server_errors():
+    """The server's refusals and the transport's failures (OSError, httpx's and websockets'
+    own exceptions) as one-line errors; anything else propagates."""
     try:
-        with Client(server, token) as client:
-            return call(client)
+        yield
     except (ServerError, OSError) as error:
         _fail(error)
-    except Exception as error:  # httpx transport errors
-        if type(error).__module__.startswith("httpx"):
+    except Exception as error:
+        if type(error).__module__.split(".")[0] in ("httpx", "websockets"):
             _fail(error)
         raise
+
+
+def _calling(server: str, token: str | None, call):
+    with _server_errors(), Client(server, token) as client:
+        return call(client)
 
 
 @click.command()
@@ -71,10 +79,8 @@ def launch(program, args, env_pairs, detach, verbose, server, token):
     """Launch PROGRAM (a sha256 or a .wasm file, uploaded first) with ARGS after --; stream its
     output to stdout and stdin lines to its recv. The exit code is the program's."""
     env = parse_env(env_pairs)
-    try:
+    with _server_errors():
         code = asyncio.run(_launch(server, token, program, list(args), env, detach, verbose))
-    except (ServerError, OSError) as error:
-        _fail(error)
     sys.exit(code)
 
 

@@ -1,4 +1,6 @@
 """The `symphony` command line."""
+from pathlib import Path
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -72,5 +74,20 @@ def test_env_option_must_be_name_equals_value(tmp_path):
     program = tmp_path / "p.wasm"
     program.write_bytes(b"\0asm\1\0\0\0")
     for command in (["run", str(program)], ["launch", str(program), "--server", "http://127.0.0.1:9"]):
-        result = CliRunner().invoke(main, [*command, "--env", "NOEQUALS"])
-        assert result.exit_code == 2 and "'NOEQUALS' is not NAME=VALUE" in result.output, result.output
+        for pair in ("NOEQUALS", "=value"):
+            result = CliRunner().invoke(main, [*command, "--env", pair])
+            assert result.exit_code == 2 and f"{pair!r} is not NAME=VALUE" in result.output, result.output
+
+
+@pytest.mark.parametrize("command", [["launch", "README.md"], ["upload", "README.md"], ["ps"], ["kill", "3"]])
+def test_client_commands_without_a_server_fail_in_one_line(command, monkeypatch):
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    result = CliRunner().invoke(main, [*command, "--server", "http://127.0.0.1:9"])  # nothing listens on port 9
+    assert result.exit_code == 1 and "cannot reach the server" in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("option, value", [("--port", "99999"), ("--workers", "0")])
+def test_serve_refuses_bad_options_before_loading(option, value):
+    result = CliRunner().invoke(main, ["serve", "--model", "/nonexistent", option, value])
+    assert result.exit_code == 2 and f"Invalid value for '{option}'" in result.output, result.output
