@@ -537,8 +537,8 @@ class ComponentCalls:
 
     def distribution_sample(self, rep: int, temperature: float, top_p: float, seed: int) -> int:
         probs = self._probs(rep)
-        if not (temperature >= 0 and 0 < top_p <= 1):
-            raise InvalidArgument("temperature must be >= 0 and top-p in (0, 1]")
+        if not (0 <= temperature < math.inf and 0 < top_p <= 1):  # (NaN fails both)
+            raise InvalidArgument("temperature must be finite and >= 0, and top-p in (0, 1]")
         if temperature == 0:
             return int(probs.argmax())
         weights = probs.double().clamp_min(1e-30).log().div(temperature).softmax(0)

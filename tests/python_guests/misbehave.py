@@ -8,7 +8,7 @@ Usage: misbehave MODE
 import time
 
 import symphony
-from symphony import Kv, TopK
+from symphony import Kv, Sampler, TopK
 from wit_world.imports import inference, kv as raw_kv
 
 
@@ -38,11 +38,18 @@ def errors() -> None:
         "fork-unknown": lambda: Kv(999).fork(),
         "no-such-tool": lambda: symphony.tool("format-disk", "now"),
         "empty-pred": lambda: live.pred([]),
+        "sampler-inf-temperature": lambda: live.fork().next_token([1], Sampler(temperature=float("inf"))),
+        "sampler-bias-past-float32": lambda: live.fork().next_token([1], Sampler(bias={3: 3.4e38})),
     }
     for name, call in checks.items():
         symphony.send(f"{name}={outcome(call)}\n")
     # The host is still fine with this process: a correct pred after all of that.
-    symphony.send(f"after={live.pred([1]).argmax() >= 0}\n")
+    with live.pred([1]) as distribution:
+        symphony.send(f"after={distribution.argmax() >= 0}\n")
+        for name, temperature, top_p in (("inf-temperature", float("inf"), 1.0), ("nan-top-p", 1.0, float("nan"))):
+            symphony.send(f"sample-{name}={outcome(lambda: distribution.sample(temperature, top_p, 0))}\n")
+        # A vanishing temperature overflows nothing: the most likely token.
+        symphony.send(f"sample-vanishing={distribution.sample(1e-45, 1.0, 0) == distribution.argmax()}\n")
     live.close()
 
 
