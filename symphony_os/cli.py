@@ -1,6 +1,8 @@
 """The `symphony` command line."""
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -144,7 +146,7 @@ def run(program, args, model_path, device, dtype, attention, page_size, kv_pages
     import time
 
     from .cli_client import parse_env
-    from .errors import InputClosed, LimitExceeded
+    from .errors import InputClosed, LimitExceeded, OutputClosed
     from .program import ProgramError
     from .runtime import Runtime
 
@@ -156,11 +158,16 @@ def run(program, args, model_path, device, dtype, attention, page_size, kv_pages
         except ProgramError as error:
             click.echo(f"symphony run: {program}: {error}", err=True)
             sys.exit(2)
-        out = sys.stdout.buffer
+        out, output_closed = sys.stdout.buffer, threading.Event()
 
         def on_output(data: bytes) -> None:
-            out.write(data)
-            out.flush()
+            try:
+                out.write(data)
+                out.flush()
+            except BrokenPipeError:  # the reader left (`| head`): as SIGPIPE would, end the program
+                output_closed.set()
+                process.kill("its output was closed")
+                raise OutputClosed("nobody reads the output any more") from None
 
         started = time.perf_counter()
         process = runtime.spawn(prog, list(args), env, on_output=on_output,
@@ -182,7 +189,10 @@ def run(program, args, model_path, device, dtype, attention, page_size, kv_pages
         threading.Thread(target=forward_stdin, name="stdin", daemon=True).start()
         code = runtime.wait(process)
         elapsed = time.perf_counter() - started
-    if process.end_reason and not process.end_reason.startswith("exit"):
+    if output_closed.is_set():  # quietly, with a SIGPIPE death's status, like other Unix tools
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
+        code = 128 + signal.SIGPIPE
+    elif process.end_reason and not process.end_reason.startswith("exit"):
         click.echo(f"symphony run: {prog.name} {process.end_reason}", err=True)
     if stats:
         s, pool = engine.stats(), engine.pool.stats()

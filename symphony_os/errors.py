@@ -119,3 +119,9 @@ class InputClosed(SymphonyError):
     """The user closed the process's input: no more messages will come."""
 
     code = ErrorCode.CLOSED
+
+
+class OutputClosed(SymphonyError):
+    """The user stopped reading the process's output (`symphony run ... | head`)."""
+
+    code = ErrorCode.CLOSED

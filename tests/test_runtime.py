@@ -1,7 +1,12 @@
 """LIPs run: the example programs against the engine's Python API, concurrency, preemption,
 killing, and refusing bad modules."""
 import gc
+import re
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -282,6 +287,21 @@ def test_symphony_run_streams_output_and_stats(stories_path):
     assert result.exit_code == 0, result.output
     assert result.output.startswith("Once upon a time, there was")
     assert "mean batch size" in result.output and "KV pages peak" in result.output
+
+
+def test_symphony_run_into_a_closed_pipe_ends_the_program_quietly(stories_path):
+    """`symphony run ... | head`: the reader leaves; the program is ended at once (not left to
+    generate its 400 tokens for nobody) and symphony exits as SIGPIPE would, with no traceback."""
+    symphony = Path(sys.executable).parent / "symphony"
+    run = subprocess.Popen([str(symphony), "run", "--model", str(stories_path), "--stats", str(lip("hello")), "--",
+                            "Once upon a time", "400"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert run.stdout.read(4) == b"Once"
+    run.stdout.close()
+    _, stderr = run.communicate(timeout=120)
+    assert run.returncode == 128 + signal.SIGPIPE, stderr.decode()
+    assert b"Traceback" not in stderr and b"failed" not in stderr, stderr.decode()
+    tokens = int(re.search(rb"tokens (\d+)", stderr).group(1))
+    assert tokens < 100  # it stopped at the first send nobody read, far short of 400
 
 
 def distribution_guest(body: str) -> bytes:
