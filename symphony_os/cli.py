@@ -1,8 +1,6 @@
 """The `symphony` command line."""
 from __future__ import annotations
 
-import os
-import signal
 import sys
 from pathlib import Path
 
@@ -145,7 +143,7 @@ def run(program, args, model_path, device, dtype, attention, page_size, kv_pages
     import threading
     import time
 
-    from .cli_client import parse_env
+    from .cli_client import output_closed_status, parse_env
     from .errors import InputClosed, LimitExceeded, OutputClosed
     from .program import ProgramError
     from .runtime import Runtime
@@ -189,9 +187,8 @@ def run(program, args, model_path, device, dtype, attention, page_size, kv_pages
         threading.Thread(target=forward_stdin, name="stdin", daemon=True).start()
         code = runtime.wait(process)
         elapsed = time.perf_counter() - started
-    if output_closed.is_set():  # quietly, with a SIGPIPE death's status, like other Unix tools
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
-        code = 128 + signal.SIGPIPE
+    if output_closed.is_set():
+        code = output_closed_status()
     elif process.end_reason and not process.end_reason.startswith("exit"):
         click.echo(f"symphony run: {prog.name} {process.end_reason}", err=True)
     if stats:

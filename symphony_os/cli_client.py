@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -24,6 +26,13 @@ def parse_env(pairs: tuple[str, ...]) -> dict[str, str]:
             raise click.BadParameter(f"{pair!r} is not NAME=VALUE", param_hint="--env")
         env[name] = value
     return env
+
+
+def output_closed_status() -> int:
+    """After stdout's reader left (`| head`): stdout goes to /dev/null, so that nothing fails
+    flushing it at exit, and the exit status is a SIGPIPE death's, as other Unix tools give."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
 
 
 def _server_options(func):
@@ -113,8 +122,12 @@ async def _launch(server, token, program, args, env, detach, verbose) -> int:
         try:
             async for frame in stream:
                 if frame["type"] == "output":
-                    out.write(frame["data"])
-                    out.flush()
+                    try:
+                        out.write(frame["data"])
+                        out.flush()
+                    except BrokenPipeError:  # the reader left (`| head`): end the process, quietly
+                        await stream.kill()
+                        return output_closed_status()
                 elif frame["type"] == "log" and verbose:
                     sys.stderr.write(frame["text"])
                 elif frame["type"] == "exit":

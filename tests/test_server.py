@@ -3,7 +3,12 @@ CLI and Python clients, refusing bad uploads, the grace period, /health and /met
 test talks to a real server on a loopback port (tests/served.py)."""
 import asyncio
 import logging
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -223,6 +228,21 @@ def test_cli_upload_launch_ps_kill_and_kv(served, alice, tmp_path):
     assert missing.exit_code == 1 and "404" in missing.output and "no KV file" in missing.output
     unauthorized = CliRunner(env={**env, "SYMPHONY_TOKEN": "wrong-token"}).invoke(main, ["ps"])
     assert unauthorized.exit_code == 1 and "401" in unauthorized.output
+
+
+def test_cli_launch_into_a_closed_pipe_kills_the_process_quietly(served, alice):
+    """`symphony launch ... | head`: the reader leaves, the process on the server is killed (not
+    left to generate for nobody) and the client exits as SIGPIPE would, with no error line."""
+    symphony = Path(sys.executable).parent / "symphony"
+    env = {**os.environ, "SYMPHONY_SERVER": served.url, "SYMPHONY_TOKEN": TOKENS["alice"]}
+    launch = subprocess.Popen([str(symphony), "launch", str(lip("hello")), "--", "Once upon a time", "400"],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert launch.stdout.read(4) == b"Once"
+    launch.stdout.close()
+    _, stderr = launch.communicate(timeout=120)
+    assert launch.returncode == 128 + signal.SIGPIPE and stderr == b"", stderr.decode()
+    mine = [p for p in alice.ps(all=True) if p["args"] == ["Once upon a time", "400"]]
+    assert len(mine) == 1 and wait_until(lambda: alice.inspect(mine[0]["pid"])["state"] == "killed")
 
 
 def test_health_metrics_and_openapi(served, alice):
