@@ -44,6 +44,10 @@ from .errors import (
 from .pool import HostPage, KVPool
 
 MAX_PATH_BYTES = 255
+# Named files a tenant may keep, unless `KVFS.file_quota` says otherwise. An empty named file
+# holds no page, so page quotas do not bound them, and each costs the host ~900 bytes: a guest
+# creating and closing names in a loop (80k a second) would otherwise fill the host's memory.
+DEFAULT_MAX_NAMED_FILES = 65_536
 _PATH_COMPONENT = re.compile(r"^[A-Za-z0-9._\-]+$")
 
 
@@ -174,6 +178,10 @@ class KVFS:
         self.swapped_out_pages = 0
         # Tenant -> most pages its files may hold; checked when a file grows (see pages_of).
         self.page_quota: dict[str, int] = {}
+        # Tenant -> most named files it may keep (default DEFAULT_MAX_NAMED_FILES). Host-side
+        # caches (owner `<tenant>:<cache>`) are not counted: each of their files holds a page.
+        self.file_quota: dict[str, int] = {}
+        self._named: Counter[str] = Counter()  # owner -> its named files
         # Account (quota_account) -> page -> references from its files: kept as pages come and
         # go, so a quota check costs no walk over files and forked pages count once.
         self._held: dict[str, dict[int | HostPage, int]] = {}
@@ -186,11 +194,17 @@ class KVFS:
     # ---- used by sessions and the scheduler, always under self.lock ----
 
     def _new_file(self, owner: str, name: str | None = None) -> KvFile:
+        if name is not None and ":" not in owner:
+            quota = self.file_quota.get(owner, DEFAULT_MAX_NAMED_FILES)
+            if self._named[owner] >= quota:
+                raise LimitExceeded(f"named KV file quota of tenant {owner!r}: it keeps {self._named[owner]} of "
+                                    f"{quota}; remove some (kv_remove) or use anonymous files")
         file = KvFile(self._next_file_id, owner, name, self.clock())
         self._next_file_id += 1
         self._files[file.file_id] = file
         if name is not None:
             self._names[(owner, name)] = file
+            self._named[owner] += 1
         return file
 
     def acquire(self, file: KvFile) -> None:
@@ -213,6 +227,7 @@ class KVFS:
     def _unlink(self, file: KvFile) -> None:
         if file.name is not None:
             del self._names[(file.owner, file.name)]
+            self._named[file.owner] -= 1
             file.name = None
 
     def _count_pages(self, file: KvFile, added=(), removed=()) -> None:

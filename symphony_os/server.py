@@ -90,6 +90,8 @@ def create_app(engine: Engine, tenants: Tenants | None = None, config: ServerCon
             for tenant in tenants.by_name.values():
                 if tenant.quotas.max_kv_pages is not None:
                     engine.kvfs.page_quota[tenant.name] = int(tenant.quotas.max_kv_pages)
+                if tenant.quotas.max_kv_files is not None:
+                    engine.kvfs.file_quota[tenant.name] = int(tenant.quotas.max_kv_files)
             completion_path = await asyncio.to_thread(builtin_lip, "complete")
             completion_program = runtime.load(completion_path)
             table = ProcessTable(runtime, asyncio.get_running_loop(), config.grace_s, config.retention_s)

@@ -7,6 +7,7 @@ unlimited (a per-process one: the server's default `ProcessLimits`, SECURITY.md)
     token = "a-long-random-secret"
     max_processes = 64          # running processes at once
     max_kv_pages = 4096         # KV pages its files may hold
+    max_kv_files = 65536        # named KV files it may keep (left out: 65,536, not unlimited)
     max_upload_bytes = 67108864 # bytes of programs it may store
     cpu_time_s = 60.0           # CPU seconds one process may compute (host calls included)
     wall_time_s = 3600.0        # seconds one process may live, waiting included
@@ -14,7 +15,9 @@ unlimited (a per-process one: the server's default `ProcessLimits`, SECURITY.md)
     output_bytes = 67108864     # bytes one process may send (output and log)
     kv_pages_per_process = 1024 # KV pages one process's open files may hold
 
-Per-process quotas become that process's `limits.ProcessLimits`.
+Per-process quotas become that process's `limits.ProcessLimits`. `max_kv_files` is the one
+quota with a default when left out (kvfs.DEFAULT_MAX_NAMED_FILES): an empty named file holds
+no page, so nothing else bounds how many a tenant keeps.
 
 Without a file the server has one tenant, `default`, with no token and no quotas (a laptop).
 """
@@ -30,8 +33,8 @@ from .limits import ProcessLimits
 
 DEFAULT_TENANT = "default"
 _TENANT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-QUOTA_FIELDS = ("max_processes", "max_kv_pages", "max_upload_bytes", "cpu_time_s", "wall_time_s", "memory_bytes",
-                "output_bytes", "kv_pages_per_process")
+QUOTA_FIELDS = ("max_processes", "max_kv_pages", "max_kv_files", "max_upload_bytes", "cpu_time_s", "wall_time_s",
+                "memory_bytes", "output_bytes", "kv_pages_per_process")
 # Per-process quotas and the ProcessLimits field each one sets.
 PROCESS_LIMIT_OF_QUOTA = {"cpu_time_s": "cpu_time_s", "wall_time_s": "wall_time_s", "memory_bytes": "memory_bytes",
                           "output_bytes": "output_bytes", "kv_pages_per_process": "kv_pages"}
@@ -47,10 +50,11 @@ class TenantsFileError(Exception):
 
 @dataclass(frozen=True)
 class Quotas:
-    """Per-tenant limits; None is unlimited."""
+    """Per-tenant limits; None is unlimited (for max_kv_files: kvfs.DEFAULT_MAX_NAMED_FILES)."""
 
     max_processes: int | None = None
     max_kv_pages: int | None = None
+    max_kv_files: int | None = None  # None: kvfs.DEFAULT_MAX_NAMED_FILES
     max_upload_bytes: int | None = None
     cpu_time_s: float | None = None
     wall_time_s: float | None = None

@@ -206,6 +206,22 @@ CORPUS: dict[str, Hostile] = {
                                                    sends=lambda got: got[0] == 8 and got[1] == got[2]),
     "logit bias at the float limit": Hostile(lambda: overflowing_sampler(1e-5, 3.4e38), exit_code=0,
                                              sends=lambda got: got[0] == 8 and got[1] in (5, 6)),
+    # 100: the corpus host's named-file quota for mallory (test_hostile.host); it removes them all.
+    "named-file flood": Hostile(lambda: guest(f"""(block $b (loop $l
+          (call $name (local.get $i))
+          (local.set $r (call $kv_open (i32.const {TEXT}) (i32.const 4) (i32.const 1)))
+          (br_if $b (i32.lt_s (local.get $r) (i32.const 0)))
+          (drop (call $kv_close (local.get $r)))
+          (local.set $i (i32.add (local.get $i) (i32.const 1)))
+          (br_if $l (i32.lt_s (local.get $i) (i32.const 4096)))))
+        (loop $rm (if (i32.lt_s (local.get $h) (local.get $i)) (then
+          (call $name (local.get $h)) (drop (call $kv_remove (i32.const {TEXT}) (i32.const 4)))
+          (local.set $h (i32.add (local.get $h) (i32.const 1))) (br $rm))))""" + report("(local.get $i)", "(local.get $r)"),
+        extra=f"""(func $name (param $n i32) (i32.store8 (i32.const {TEXT}) (i32.const 110))
+          (i32.store8 (i32.const {TEXT + 1}) (i32.add (i32.const 97) (i32.and (local.get $n) (i32.const 15))))
+          (i32.store8 (i32.const {TEXT + 2}) (i32.add (i32.const 97) (i32.and (i32.shr_u (local.get $n) (i32.const 4)) (i32.const 15))))
+          (i32.store8 (i32.const {TEXT + 3}) (i32.add (i32.const 97) (i32.shr_u (local.get $n) (i32.const 8)))))"""),
+        exit_code=0, sends=codes(100, E.LIMIT_EXCEEDED)),
     "positions out of order": Hostile(lambda: guest("""(local.set $h (call $kv_create))
         (i32.store (i32.const 64) (i32.const 5)) (i32.store (i32.const 68) (i32.const 3))
         (i32.store (i32.const 72) (i32.const -4))""" + report(

@@ -16,7 +16,7 @@ from symphony_os.server import ServerConfig, create_app
 from symphony_os.tenants import Tenants
 
 TOKENS = {name: f"token-of-{name}" for name in ("alice", "bob", "carol", "dave", "tight", "small")}
-TIGHT_QUOTAS = dict(max_processes=1, max_kv_pages=2, max_upload_bytes=4096, cpu_time_s=0.5)
+TIGHT_QUOTAS = dict(max_processes=1, max_kv_pages=2, max_kv_files=2, max_upload_bytes=4096, cpu_time_s=0.5)
 SMALL_QUOTAS = dict(max_kv_pages=8, max_upload_bytes=400)
 QUOTAS = {"tight": TIGHT_QUOTAS, "small": SMALL_QUOTAS}
 GRACE_S = 1.0

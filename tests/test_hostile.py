@@ -23,9 +23,10 @@ NEIGHBOUR_ARGS = [["Once upon a time", "8"], ["Tom went to the", "8"]]
 @pytest.fixture(scope="module")
 def host(stories_path):
     """A runtime over stories260K; bob owns a named KV file `secret` (not shared); tenant
-    `quota-tenant` may hold 2 KV pages."""
+    `quota-tenant` may hold 2 KV pages, and mallory (the offenders' tenant) 100 named files."""
     engine = Engine.from_path(stories_path, device="cpu", page_size=16, num_pages=512)
     engine.kvfs.page_quota["quota-tenant"] = 2
+    engine.kvfs.file_quota["mallory"] = 100  # the "named-file flood" kind's
     bob = engine.session("bob")
     secret = bob.open("secret", 1)
     engine.pred(bob, secret, engine.tokenize("The secret is 42"))

@@ -7,6 +7,7 @@ import torch
 from symphony_os.errors import (BadHandle, FileBusy, FileExists, FileNotFound, InvalidArgument,
                                 LimitExceeded, PermissionDenied, PoolExhausted, PositionError,
                                 ReadOnlyFile)
+from symphony_os import kvfs as kvfs_module
 from symphony_os.kvfs import KVFS, OpenFlags
 from symphony_os.pool import KVPool
 
@@ -404,3 +405,37 @@ def test_page_quota_counts_forked_pages_once_and_evicts_the_tenants_own_cache_fi
         write(fs, kv, root, PAGE)
     kv.close(root)
     assert fs.pages_of("t") == 0
+
+
+def test_named_file_quota_bounds_the_names_a_tenant_keeps(fs, monkeypatch):
+    """An empty named file holds no page, so the page quota cannot bound them: a tenant keeps at
+    most its file_quota of names (default kvfs.DEFAULT_MAX_NAMED_FILES)."""
+    fs.file_quota["t"] = 3
+    kv, other = fs.session("t"), fs.session("u")
+    for i in range(3):
+        kv.close(kv.open(f"f{i}", OpenFlags.CREATE))
+    with pytest.raises(LimitExceeded, match="named KV file quota of tenant 't': it keeps 3 of 3"):
+        kv.open("f3", OpenFlags.CREATE)
+    kv.close(kv.open("f0", OpenFlags.CREATE))  # opening a name it has is no new name
+    kv.close(kv.create())  # anonymous files do not count
+    with fs.lock:  # nor do the tenant's host-side caches (each of their files holds a page)
+        source = fs.session("t")
+        handle = source.create()
+        write(fs, source, handle, PAGE)
+        assert fs.save_copy(source.file_of(handle), 0, PAGE, "t:prefix", "block")
+        source.close(handle)
+    kv.remove("f1")
+    kv.close(kv.open("f3", OpenFlags.CREATE))  # a removed name makes room
+    monkeypatch.setattr(kvfs_module, "DEFAULT_MAX_NAMED_FILES", 2)
+    other.close(other.open("g0", OpenFlags.CREATE))
+    other.close(other.open("g1", OpenFlags.CREATE))
+    with pytest.raises(LimitExceeded, match="tenant 'u': it keeps 2 of 2"):  # the default, for a tenant without one
+        other.open("g2", OpenFlags.CREATE)
+    for name in ("f0", "f2", "f3"):  # the fixture checks that nothing is left
+        kv.remove(name)
+    for name in ("g0", "g1"):
+        other.remove(name)
+    with fs.lock:  # the cache's block goes as eviction would take it
+        block = fs.lookup("t:prefix", "block")
+        fs._unlink(block)
+        fs._free_file(block)

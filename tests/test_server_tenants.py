@@ -157,6 +157,26 @@ def test_quotas_are_enforced_with_clear_errors(served, clients):
     first, second = struct.unpack("<2i", result.output)
     assert first >= 0 and second == -12  # limit-exceeded: 20 tokens fit in 2 pages, 40 do not
     assert served.engine.kvfs.pages_of("tight") == 0
+    # Named KV files: the quota is 2; the third name is refused; the program removes what it made
+    names = wat('''(module
+      (import "symphony" "kv_open" (func $open (param i32 i32 i32) (result i32)))
+      (import "symphony" "kv_close" (func $close (param i32) (result i32)))
+      (import "symphony" "kv_remove" (func $remove (param i32 i32) (result i32)))
+      (import "symphony" "send" (func $send (param i32 i32) (result i32)))
+      (memory (export "memory") 1)
+      (data (i32.const 16) "abc")
+      (func $make (param $at i32) (param $name i32) (local $h i32)
+        (local.set $h (call $open (local.get $name) (i32.const 1) (i32.const 1)))
+        (i32.store (local.get $at) (local.get $h))
+        (if (i32.ge_s (local.get $h) (i32.const 0)) (then (drop (call $close (local.get $h))))))
+      (func (export "_start")
+        (call $make (i32.const 0) (i32.const 16)) (call $make (i32.const 4) (i32.const 17))
+        (call $make (i32.const 8) (i32.const 18))
+        (drop (call $remove (i32.const 16) (i32.const 1))) (drop (call $remove (i32.const 17) (i32.const 1)))
+        (drop (call $send (i32.const 0) (i32.const 12)))))''')
+    made = struct.unpack("<3i", tight.run(tight.upload(names, "names")["sha256"]).output)
+    assert made[0] > 0 and made[1] > 0 and made[2] == -12
+    assert served.engine.kvfs.session("tight").list() == []
 
 
 def test_concurrent_uploads_cannot_pass_the_upload_quota_together(served):
