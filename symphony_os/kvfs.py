@@ -257,7 +257,10 @@ class KVFS:
                 self.pool.discard(page)
 
     def _share_pages(self, pages: list[int | HostPage]) -> list[int | HostPage]:
-        """References to `pages` for a second file: device pages are shared, host pages copied."""
+        """References to `pages` for a second file: device pages are shared, host pages copied
+        (PoolExhausted, before anything is shared, when the host has no room for the copies)."""
+        if sum(isinstance(p, HostPage) for p in pages) > self.pool.swap_room:
+            raise PoolExhausted(f"KV pages swapped to host memory are at their limit of {self.pool.max_swapped}")
         self.pool.incref([p for p in pages if not isinstance(p, HostPage)])
         shared = []
         for page in pages:
@@ -488,7 +491,7 @@ class KVFS:
         )
         for file in swappable:
             for i, page in enumerate(file.pages):
-                if self.pool.free_pages >= target:
+                if self.pool.free_pages >= target or not self.pool.swap_room:
                     return
                 if not isinstance(page, HostPage) and self.pool.refcount[page] == 1:
                     file.pages[i] = self.pool.swap_out(page)

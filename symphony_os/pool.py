@@ -55,6 +55,7 @@ class KVPool:
         page_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        max_swapped: int | None = None,
     ):
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
@@ -69,6 +70,9 @@ class KVPool:
         self._free = list(range(num_pages - 1, -1, -1))
         self._shared = 0
         self._swapped = 0
+        # Pages swap_out may hold in host memory at once (default: as many as the pool has).
+        # Without a bound, guests holding files open past the pool would fill the host's memory.
+        self.max_swapped = num_pages if max_swapped is None else max_swapped
         self._peak_used = 0
         self.reclaim: Callable[[int], None] | None = None
 
@@ -152,8 +156,16 @@ class KVPool:
         k_flat[:, dst_slots] = k_flat[:, src_slots]
         v_flat[:, dst_slots] = v_flat[:, src_slots]
 
+    @property
+    def swap_room(self) -> int:
+        """How many more pages swap_out may take to host memory."""
+        return self.max_swapped - self._swapped
+
     def swap_out(self, page: int) -> HostPage:
-        """Copy a page to host memory and drop this reference to it."""
+        """Copy a page to host memory and drop this reference to it (PoolExhausted when the
+        host already holds `max_swapped` pages)."""
+        if self._swapped >= self.max_swapped:
+            raise PoolExhausted(f"KV pages swapped to host memory are at their limit of {self.max_swapped}")
         pin = self.device.type == "cuda"
         k = torch.empty_like(self.k[:, page], device="cpu", pin_memory=pin)
         v = torch.empty_like(self.v[:, page], device="cpu", pin_memory=pin)

@@ -327,6 +327,24 @@ def test_pool_pressure_swaps_open_files_and_swaps_them_back(fs):
     kv.close_all()
 
 
+def test_swapping_to_host_memory_stops_at_max_swapped(fs):
+    """Open files past the pool go to host memory only up to pool.max_swapped pages: past it
+    an allocation fails with PoolExhausted (nothing half done), not with the host's memory."""
+    fs.pool.max_swapped = 4
+    kv = fs.session()
+    idle = kv.create()
+    idle_marks = write(fs, kv, idle, 40)  # 10 pages, open but unused
+    busy = kv.create()
+    write(fs, kv, busy, 40)  # needs 10: 6 free, so 4 of idle's pages go to host: the limit
+    other = kv.create()
+    with pytest.raises(PoolExhausted):
+        write(fs, kv, other, 4)  # one more page would need a 5th swapped page
+    assert fs.pool.stats().swapped == 4 and kv.file_of(other).length == 0
+    kv.close(busy)
+    assert read(fs, kv, idle) == idle_marks
+    kv.close_all()
+
+
 def test_protection_is_counted_across_overlapping_blocks(fs):
     """A file protected by two blocks stays protected until both end (the engine's block
     spans a forward pass, without the lock, while another may start and end)."""
