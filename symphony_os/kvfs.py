@@ -38,6 +38,7 @@ from .errors import (
     InvalidArgument,
     LimitExceeded,
     PermissionDenied,
+    PoolExhausted,
     PositionError,
     ReadOnlyFile,
 )

@@ -345,6 +345,21 @@ def test_swapping_to_host_memory_stops_at_max_swapped(fs):
     kv.close_all()
 
 
+def test_sharing_swapped_pages_past_max_swapped_is_refused_before_anything_is_shared(fs):
+    """A second file's copy of host pages counts against max_swapped too (copy_range swaps its
+    source in first, so this is the guard behind it)."""
+    kv = fs.session()
+    a = kv.create()
+    write(fs, kv, a, 40)
+    b = kv.create()
+    write(fs, kv, b, 40)  # 4 of a's pages go to host memory
+    fs.pool.max_swapped = 5
+    with fs.lock, pytest.raises(PoolExhausted, match="limit of 5"):
+        fs._share_pages(kv.file_of(a).pages)  # 4 more host copies would make 8
+    assert fs.pool.stats().swapped == 4
+    kv.close_all()
+
+
 def test_protection_is_counted_across_overlapping_blocks(fs):
     """A file protected by two blocks stays protected until both end (the engine's block
     spans a forward pass, without the lock, while another may start and end)."""
