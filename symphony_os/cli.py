@@ -1,12 +1,13 @@
 """The `symphony` command line."""
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
 import click
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, SymphonyError
 from .sampling import Sample, validate_want
 
 
@@ -38,6 +39,8 @@ def _make_engine(model_path, device, dtype, attention, page_size, kv_pages):
         return Engine(loaded, page_size=page_size, num_pages=kv_pages, attention=attention)
     except (ModelLoadError, ValueError) as error:
         raise click.ClickException(str(error)) from error
+    except RuntimeError as error:  # torch could not allocate the weights or the KV pool
+        raise click.ClickException(f"cannot set up the model: {str(error).splitlines()[0]}") from error
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -74,7 +77,10 @@ def generate(model_path, device, dtype, attention, page_size, kv_pages, prompt, 
     printed = ""
     feed = ids
     for step in range(max_tokens):
-        token = engine.pred(session, handle, feed, want=sampling(step)).token
+        try:
+            token = engine.pred(session, handle, feed, want=sampling(step)).token
+        except SymphonyError as error:  # the KV pool is full, say
+            raise click.ClickException(str(error)) from None
         if token in eos:
             break
         generated.append(token)
@@ -207,15 +213,18 @@ def run(program, args, model_path, device, dtype, attention, page_size, kv_pages
               help="TOML file of tenants, tokens and quotas (default: one tenant, no token).")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None,
               help="Where uploaded programs are stored (default: a temporary directory).")
-@click.option("--grace", "grace_s", default=30.0, show_default=True,
+@click.option("--grace", "grace_s", default=30.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds before a process whose client vanished is killed (unless launched detached).")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1),
               help="Scheduler threads polling LIP processes.")
-@click.option("--log-level", default="info", show_default=True)
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
 def serve(model_path, device, dtype, attention, page_size, kv_pages, host, port, tenants_file, data_dir, grace_s,
           workers, log_level):
     """Serve LIPs to many tenants over HTTP and WebSocket, with OpenAI-compatible endpoints
     under /v1 (API description at /docs and /openapi.json)."""
+    if not grace_s < math.inf:  # (NaN too: vanished clients' processes would never be killed)
+        raise click.BadParameter(f"{grace_s} is not a finite number of seconds", param_hint="'--grace'")
     import uvicorn
 
     from . import logs

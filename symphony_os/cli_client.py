@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import click
+import websockets
 
 from .client import DEFAULT_SERVER, AsyncClient, Client, ServerError
 
@@ -31,7 +32,9 @@ def parse_env(pairs: tuple[str, ...]) -> dict[str, str]:
 def output_closed_status() -> int:
     """After stdout's reader left (`| head`): stdout goes to /dev/null, so that nothing fails
     flushing it at exit, and the exit status is a SIGPIPE death's, as other Unix tools give."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
     return 128 + signal.SIGPIPE
 
 
@@ -126,7 +129,8 @@ async def _launch(server, token, program, args, env, detach, verbose) -> int:
                         out.write(frame["data"])
                         out.flush()
                     except BrokenPipeError:  # the reader left (`| head`): end the process, quietly
-                        await stream.kill()
+                        with contextlib.suppress(websockets.ConnectionClosed):  # (it may have ended)
+                            await stream.kill()
                         return output_closed_status()
                 elif frame["type"] == "log" and verbose:
                     sys.stderr.write(frame["text"])

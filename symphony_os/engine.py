@@ -167,7 +167,7 @@ class Engine:
     def _prepare(self, plan: BatchPlan):
         """Reserve KV slots for each chunk; a chunk that cannot run fails its request (or, when
         only memory is short and others run, waits for the next batch)."""
-        runnable, seqs, failed = [], [], []
+        runnable, seqs, failed, short = [], [], [], []
         now = time.perf_counter()
         kvfs = self.kvfs
         with kvfs.lock:  # once per batch, not per chunk
@@ -186,8 +186,7 @@ class Engine:
                     positions = request.positions if whole else request.positions[chunk.start:chunk.start + chunk.count]
                     slots = kvfs.reserve_slots(file, positions, clock)
                 except PoolExhausted as error:
-                    if len(plan.chunks) == 1:
-                        failed.append((request, None, error))
+                    short.append((request, None, error))
                     continue  # others in this batch hold the memory: try again next batch
                 except SymphonyError as error:
                     failed.append((request, None, error))
@@ -203,6 +202,8 @@ class Engine:
                     slots=slots, page_table=kvfs.page_table(file), context_len=file.length,
                     wants_logits=chunk.is_last and not each, greedy_each=each,
                 ))
+        if short and not runnable:  # none runs, so nothing frees pages for a next try: they fail
+            failed += short
         if failed:
             self._finish_all(failed)
         return runnable, seqs

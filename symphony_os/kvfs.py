@@ -260,7 +260,8 @@ class KVFS:
     def _share_pages(self, pages: list[int | HostPage]) -> list[int | HostPage]:
         """References to `pages` for a second file: device pages are shared, host pages copied
         (PoolExhausted, before anything is shared, when the host has no room for the copies)."""
-        if sum(isinstance(p, HostPage) for p in pages) > self.pool.swap_room:
+        host_copies = sum(isinstance(p, HostPage) for p in pages)
+        if host_copies and host_copies > self.pool.swap_room:
             raise PoolExhausted(f"KV pages swapped to host memory are at their limit of {self.pool.max_swapped}")
         self.pool.incref([p for p in pages if not isinstance(p, HostPage)])
         shared = []

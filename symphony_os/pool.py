@@ -73,6 +73,8 @@ class KVPool:
         # Pages swap_out may hold in host memory at once (default: as many as the pool has).
         # Without a bound, guests holding files open past the pool would fill the host's memory.
         self.max_swapped = num_pages if max_swapped is None else max_swapped
+        if self.max_swapped < 0:
+            raise ValueError(f"max_swapped must be >= 0, got {max_swapped}")
         self._peak_used = 0
         self.reclaim: Callable[[int], None] | None = None
 
@@ -158,8 +160,9 @@ class KVPool:
 
     @property
     def swap_room(self) -> int:
-        """How many more pages swap_out may take to host memory."""
-        return self.max_swapped - self._swapped
+        """How many more pages swap_out may take to host memory (0 also when `max_swapped` was
+        lowered below what is swapped out already)."""
+        return max(0, self.max_swapped - self._swapped)
 
     def swap_out(self, page: int) -> HostPage:
         """Copy a page to host memory and drop this reference to it (PoolExhausted when the

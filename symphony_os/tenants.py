@@ -19,7 +19,8 @@ Per-process quotas become that process's `limits.ProcessLimits`. `max_kv_files` 
 quota with a default when left out (kvfs.DEFAULT_MAX_NAMED_FILES): an empty named file holds
 no page, so nothing else bounds how many a tenant keeps.
 
-Without a file the server has one tenant, `default`, with no token and no quotas (a laptop).
+Without a file the server has one tenant, `default`, with no token and no quotas but the
+named-file cap (a laptop).
 """
 from __future__ import annotations
 

@@ -87,7 +87,15 @@ def test_client_commands_without_a_server_fail_in_one_line(command, monkeypatch)
     assert "Traceback" not in result.output
 
 
-@pytest.mark.parametrize("option, value", [("--port", "99999"), ("--workers", "0")])
+@pytest.mark.parametrize("option, value", [("--port", "99999"), ("--workers", "0"), ("--log-level", "bogus"),
+                                           ("--grace", "-1"), ("--grace", "nan")])
 def test_serve_refuses_bad_options_before_loading(option, value):
     result = CliRunner().invoke(main, ["serve", "--model", "/nonexistent", option, value])
     assert result.exit_code == 2 and f"Invalid value for '{option}'" in result.output, result.output
+
+
+def test_generate_with_the_pool_full_says_so_in_one_line(tiny_llama):
+    result = CliRunner().invoke(main, ["generate", "--model", str(tiny_llama), "--prompt", "w5 w6", "--kv-pages", "1",
+                                       "--page-size", "1", "--max-tokens", "8"])
+    assert result.exit_code == 1 and "KV pool exhausted" in result.output, result.output
+    assert "Traceback" not in result.output

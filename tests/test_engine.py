@@ -168,6 +168,26 @@ def test_a_row_that_fails_fails_only_its_own_request(tiny_engine, monkeypatch):
     kv.close_all()
 
 
+def test_preds_that_all_find_the_pool_full_fail_instead_of_waiting_forever(tiny_llama):
+    """Every chunk of a batch short of pages, with nothing to swap to: none runs, so waiting for
+    the next batch would wait forever (a chunk waits only while another in its batch runs)."""
+    engine = Engine.from_path(tiny_llama, device="cpu", page_size=4, num_pages=8)
+    engine.pool.max_swapped = 0
+    kv = engine.session()
+    hog = kv.create()
+    engine.pred(kv, hog, list(range(1, 33)))  # all 8 pages, held open
+    futures = [engine.submit(kv, kv.create(), [1, 2, 3]) for _ in range(2)]
+    for _ in range(10):
+        if not engine.step():
+            break
+    assert all(f.done() for f in futures)
+    for future in futures:
+        with pytest.raises(PoolExhausted):
+            future.result()
+    kv.close_all()
+    assert engine.pool.stats().used == 0
+
+
 def test_bad_tokens_handles_and_read_only_are_refused(tiny_engine):
     kv = tiny_engine.session()
     h = kv.create()

@@ -294,7 +294,8 @@ def test_symphony_run_into_a_closed_pipe_ends_the_program_quietly(stories_path):
     generate its 400 tokens for nobody) and symphony exits as SIGPIPE would, with no traceback."""
     symphony = Path(sys.executable).parent / "symphony"
     run = subprocess.Popen([str(symphony), "run", "--model", str(stories_path), "--stats", str(lip("hello")), "--",
-                            "Once upon a time", "400"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            "Once upon a time", "400"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
     assert run.stdout.read(4) == b"Once"
     run.stdout.close()
     _, stderr = run.communicate(timeout=120)

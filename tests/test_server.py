@@ -231,18 +231,21 @@ def test_cli_upload_launch_ps_kill_and_kv(served, alice, tmp_path):
 
 
 def test_cli_launch_into_a_closed_pipe_kills_the_process_quietly(served, alice):
-    """`symphony launch ... | head`: the reader leaves, the process on the server is killed (not
-    left to generate for nobody) and the client exits as SIGPIPE would, with no error line."""
+    """`symphony launch ... | head`: the reader leaves, the client kills the process on the server
+    (not left to generate for nobody, nor to the grace period) and exits as SIGPIPE would, with
+    no error line."""
     symphony = Path(sys.executable).parent / "symphony"
     env = {**os.environ, "SYMPHONY_SERVER": served.url, "SYMPHONY_TOKEN": TOKENS["alice"]}
-    launch = subprocess.Popen([str(symphony), "launch", str(lip("hello")), "--", "Once upon a time", "400"],
+    args = ["Once upon a time", "400"]
+    launch = subprocess.Popen([str(symphony), "launch", str(lip("hello")), "--", *args],
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     assert launch.stdout.read(4) == b"Once"
+    (pid,) = [p["pid"] for p in alice.ps() if p["args"] == args]
     launch.stdout.close()
+    ended = wait_until(lambda: (info := alice.inspect(pid))["end_reason"] is not None and info)
+    assert ended and ended["state"] == "killed" and ended["end_reason"] == "killed by its client", ended
     _, stderr = launch.communicate(timeout=120)
     assert launch.returncode == 128 + signal.SIGPIPE and stderr == b"", stderr.decode()
-    mine = [p for p in alice.ps(all=True) if p["args"] == ["Once upon a time", "400"]]
-    assert len(mine) == 1 and wait_until(lambda: alice.inspect(mine[0]["pid"])["state"] == "killed")
 
 
 def test_health_metrics_and_openapi(served, alice):

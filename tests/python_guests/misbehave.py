@@ -39,7 +39,7 @@ def errors() -> None:
         "no-such-tool": lambda: symphony.tool("format-disk", "now"),
         "empty-pred": lambda: live.pred([]),
         "sampler-inf-temperature": lambda: live.fork().next_token([1], Sampler(temperature=float("inf"))),
-        "sampler-bias-past-float32": lambda: live.fork().next_token([1], Sampler(bias={3: 3.4e38})),
+        "sampler-bias-at-float32-limit": lambda: live.fork().next_token([1], Sampler(bias={3: 3.4e38})),
     }
     for name, call in checks.items():
         symphony.send(f"{name}={outcome(call)}\n")
