@@ -57,7 +57,13 @@ def _server_errors():
     own exceptions) as one-line errors; anything else propagates."""
     try:
         yield
-    except (ServerError, OSError) as error:
+    except BrokenPipeError:  # our own stdout's reader left (`launch --detach | true`), not the server
+        sys.exit(output_closed_status())
+    except OSError as error:
+        if error.filename is not None:  # a local file, not the connection
+            raise click.ClickException(f"cannot read {error.filename}: {error.strerror}") from None
+        _fail(error)
+    except ServerError as error:
         _fail(error)
     except Exception as error:
         if type(error).__module__.split(".")[0] in ("httpx", "websockets"):

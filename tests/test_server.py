@@ -248,6 +248,17 @@ def test_cli_launch_into_a_closed_pipe_kills_the_process_quietly(served, alice):
     assert launch.returncode == 128 + signal.SIGPIPE and stderr == b"", stderr.decode()
 
 
+def test_cli_launch_detach_into_a_closed_pipe_is_no_server_error(served, alice):
+    """`launch --detach ... | true`: the pid has no reader; that is not the server's failure."""
+    symphony = Path(sys.executable).parent / "symphony"
+    env = {**os.environ, "SYMPHONY_SERVER": served.url, "SYMPHONY_TOKEN": TOKENS["alice"]}
+    launch = subprocess.Popen([str(symphony), "launch", "--detach", str(lip("hello")), "--", "Once", "2"],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    launch.stdout.close()  # before it prints the pid
+    _, stderr = launch.communicate(timeout=120)
+    assert launch.returncode == 128 + signal.SIGPIPE and b"cannot reach the server" not in stderr, stderr.decode()
+
+
 def test_health_metrics_and_openapi(served, alice):
     health = httpx.get(served.url + "/health").json()
     assert health["status"] == "ok" and health["model"] == "stories260K"
