@@ -38,7 +38,6 @@ from .errors import (
     InvalidArgument,
     LimitExceeded,
     PermissionDenied,
-    PoolExhausted,
     PositionError,
     ReadOnlyFile,
 )
@@ -260,17 +259,9 @@ class KVFS:
     def _share_pages(self, pages: list[int | HostPage]) -> list[int | HostPage]:
         """References to `pages` for a second file: device pages are shared, host pages copied
         (PoolExhausted, before anything is shared, when the host has no room for the copies)."""
-        host_copies = sum(isinstance(p, HostPage) for p in pages)
-        if host_copies and host_copies > self.pool.swap_room:
-            raise PoolExhausted(f"KV pages swapped to host memory are at their limit of {self.pool.max_swapped}")
+        copies = iter(self.pool.copy_host_pages([p for p in pages if isinstance(p, HostPage)]))
         self.pool.incref([p for p in pages if not isinstance(p, HostPage)])
-        shared = []
-        for page in pages:
-            if isinstance(page, HostPage):
-                page = HostPage(page.k.clone(), page.v.clone())
-                self.pool._swapped += 1
-            shared.append(page)
-        return shared
+        return [next(copies) if isinstance(page, HostPage) else page for page in pages]
 
     def lookup(self, tenant: str, path: str) -> KvFile | None:
         owner, name = _split_path(tenant, path)

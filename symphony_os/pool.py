@@ -164,11 +164,14 @@ class KVPool:
         lowered below what is swapped out already)."""
         return max(0, self.max_swapped - self._swapped)
 
+    def _require_swap_room(self, pages: int) -> None:
+        if pages > self.swap_room:
+            raise PoolExhausted(f"KV pages swapped to host memory are at their limit of {self.max_swapped}")
+
     def swap_out(self, page: int) -> HostPage:
         """Copy a page to host memory and drop this reference to it (PoolExhausted when the
         host already holds `max_swapped` pages)."""
-        if self._swapped >= self.max_swapped:
-            raise PoolExhausted(f"KV pages swapped to host memory are at their limit of {self.max_swapped}")
+        self._require_swap_room(1)
         pin = self.device.type == "cuda"
         k = torch.empty_like(self.k[:, page], device="cpu", pin_memory=pin)
         v = torch.empty_like(self.v[:, page], device="cpu", pin_memory=pin)
@@ -177,6 +180,13 @@ class KVPool:
         self.decref([page])
         self._swapped += 1
         return HostPage(k, v)
+
+    def copy_host_pages(self, pages: list[HostPage]) -> list[HostPage]:
+        """Copies of swapped-out pages, for a second file; PoolExhausted, before copying any,
+        when the host has no room for them all."""
+        self._require_swap_room(len(pages))
+        self._swapped += len(pages)
+        return [HostPage(page.k.clone(), page.v.clone()) for page in pages]
 
     def swap_in(self, host: HostPage) -> int:
         """A new device page holding a swapped-out page's contents."""
