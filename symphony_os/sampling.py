@@ -57,11 +57,10 @@ class Sample:
 
     temperature 0 is greedy (argmax); any finite positive one, however small, samples (the
     logits are scaled relative to the largest, so none overflows: a vanishing one draws among
-    the tokens tied at the largest logit). `seed`
-    makes this one draw reproducible (a LIP that wants a reproducible sequence passes seed +
-    step); the draw for a seed differs between the host and the device path, each is
-    deterministic. `logit_bias` maps token id -> value added to its logit; `allowed_tokens`
-    restricts the choice to those ids (constrained decoding).
+    the tokens tied at the largest logit). `seed` makes this one draw reproducible (a LIP that
+    wants a reproducible sequence passes seed + step); the draw for a seed differs between the
+    host and the device path, each is deterministic. `logit_bias` maps token id -> value added
+    to its logit; `allowed_tokens` restricts the choice to those ids (constrained decoding).
     """
 
     temperature: float = 0.0
