@@ -48,13 +48,17 @@ def default_device() -> str:
 def check_device(device: str) -> None:
     """Raise ModelLoadError unless `device` is the CPU or a CUDA GPU that torch can use here."""
     try:
-        kind = torch.device(device).type
+        parsed = torch.device(device)
     except (RuntimeError, TypeError):
-        kind = None
-    if kind not in ("cpu", "cuda"):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
         raise ModelLoadError(f"unknown device {device!r}: cpu, cuda or cuda:N")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError(f"device {device!r}: torch sees no CUDA GPU here (a CPU build of torch, or no driver)")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"device {device!r}: torch sees no CUDA GPU here (a CPU build of torch, or no driver)")
+        count = torch.cuda.device_count()
+        if parsed.index is not None and parsed.index >= count:
+            raise ModelLoadError(f"device {device!r}: torch sees {count} CUDA GPU(s) here, cuda:0 to cuda:{count - 1}")
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:

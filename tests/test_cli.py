@@ -47,7 +47,9 @@ def test_generate_refuses_bad_options_in_one_line_before_loading(option, value, 
 @pytest.mark.parametrize("device, message", [
     ("tpu", "unknown device 'tpu'"), ("cuda:x", "unknown device 'cuda:x'"),
     pytest.param("cuda", "torch sees no CUDA GPU here", marks=pytest.mark.skipif(
-        torch.cuda.is_available(), reason="a CUDA GPU is here: --device cuda is valid"))])
+        torch.cuda.is_available(), reason="a CUDA GPU is here: --device cuda is valid")),
+    # Past the GPUs there are: refused whether torch sees none or a few.
+    ("cuda:99", "device 'cuda:99': torch sees ")])
 def test_a_device_torch_cannot_use_is_refused_in_one_line(tiny_llama, device, message):
     result = CliRunner().invoke(main, ["info", "--model", str(tiny_llama), "--device", device])
     assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output, result.output

@@ -14,7 +14,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from conftest import SHARED_MODEL, build_hf_model, greedy_continuation
 from symphony_os.cli import main
 from symphony_os.engine import Engine
-from symphony_os.loader import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME, ModelLoadError, default_model_path, load_model
+from symphony_os.loader import (DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME, ModelLoadError, check_device, default_model_path,
+                                load_model)
 from test_model_parity import PROMPT, _our_logits, assert_matches_transformers
 
 GGUF = SHARED_MODEL.parent / "stories260K.gguf"
@@ -154,6 +155,17 @@ def test_model_source_errors_name_the_problem(tmp_path):
     (tmp_path / "broken.gguf").write_bytes(b"GGUF" + b"\0" * 12)
     with pytest.raises(ModelLoadError, match="broken.gguf"):
         load_model(tmp_path / "broken.gguf")
+
+
+def test_a_gpu_past_the_ones_torch_sees_is_refused(monkeypatch):
+    # As on a machine with two GPUs: cuda:1 is one, cuda:2 is not (torch would fail deep in
+    # the first allocation there).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_device("cuda")
+    check_device("cuda:1")
+    with pytest.raises(ModelLoadError, match=r"device 'cuda:2': torch sees 2 CUDA GPU\(s\) here, cuda:0 to cuda:1"):
+        check_device("cuda:2")
 
 
 def test_models_command_lists_the_default_and_shared_models(monkeypatch):
