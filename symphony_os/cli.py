@@ -16,7 +16,7 @@ def _engine_options(func):
         click.option("--model", "model_path", default=None, metavar="DIR|FILE.gguf|ORG/NAME",
                      help="A Hugging Face directory, a GGUF file or a hub id (default: $SYMPHONY_MODEL, "
                           "else the bundled default model; `symphony models` lists what is here)."),
-        click.option("--device", default=None, help="cpu or cuda (default: cuda when available)."),
+        click.option("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)."),
         click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
                      help="Weights and KV dtype (default: float32 on CPU, bfloat16 on GPU)."),
         click.option("--attention", default=None, help="Force an attention backend (also $SYMPHONY_ATTENTION)."),
