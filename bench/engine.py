@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +42,17 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def python_build() -> str:
+    """The interpreter the results were taken with, and whether its libpython is a shared
+    library (pyenv's default build: shared, no PGO; Debian's python3.11: static, PGO+LTO, and
+    10% faster on the LIP round, bench/NOTES.md)."""
+    try:  # what this process mapped (sysconfig's Py_ENABLE_SHARED is 1 for Debian's static binary too)
+        linkage = "shared" if "libpython" in Path("/proc/self/maps").read_text() else "static"
+    except OSError:
+        linkage = "unknown"
+    return f"{platform.python_implementation()} {platform.python_version()}, {sys.executable}, {linkage} libpython"
 
 
 def make_model(directory: Path, dtype: torch.dtype) -> None:
@@ -143,7 +155,8 @@ def main() -> None:
               f"{r['prefill_ratio']:>5.2f} | {r['sequences_with_identical_tokens']}")
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     out = dict(
-        benchmark="engine", device=str(device), device_name=device_name, torch_threads=torch.get_num_threads(),
+        benchmark="engine", device=str(device), device_name=device_name, python=python_build(),
+        torch_threads=torch.get_num_threads(),
         dtype=str(dtype), params=params, shape=BENCH_SHAPE, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
         attention_backend=engine.backend.name, rows=rows,
         when=time.strftime("%Y-%m-%d %H:%M:%S"),

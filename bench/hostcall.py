@@ -43,7 +43,7 @@ import wasmtime
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from engine import BENCH_SHAPE, cpu_name  # noqa: E402  (bench/engine.py)
+from engine import BENCH_SHAPE, cpu_name, python_build  # noqa: E402  (bench/engine.py)
 
 from symphony_os.engine import Engine  # noqa: E402
 from symphony_os.gc_tuning import tune_gc, untune_gc  # noqa: E402
@@ -305,7 +305,7 @@ def main() -> None:
               f"{spent['same_work']:>15.0f} | {r['ratio_from_host_time']:>5.3f} | "
               f"{r['ratio_same_work_from_host_time']:>17.3f}")
     RESULTS.mkdir(exist_ok=True)
-    out = dict(benchmark="hostcall", device="cpu", cpu=cpu_name(),
+    out = dict(benchmark="hostcall", device="cpu", cpu=cpu_name(), python=python_build(),
                torch_threads=torch.get_num_threads(), null_model=null_rows, hello_vs_api=real_rows,
                quick=args.quick, when=time.strftime("%Y-%m-%d %H:%M:%S"))
     (RESULTS / "hostcall.json").write_text(json.dumps(out, indent=2) + "\n")

@@ -729,9 +729,9 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     plots = plot(results, latencies, Path(args.out))
     import torch
-    from engine import cpu_name  # bench/engine.py
+    from engine import cpu_name, python_build  # bench/engine.py
     report = {"benchmark": "paper", "mode": "quick" if args.quick else "full", "model": model_dir.name,
-              "device": args.device, "cpu": cpu_name(), "cpus": os.cpu_count(),
+              "device": args.device, "cpu": cpu_name(), "python": python_build(), "cpus": os.cpu_count(),
               "torch_threads": torch.get_num_threads(), "sizes": size, "paper": PAPER, "results": results,
               "transformers_generate": hf, "plots": plots, "wall_s": round(time.perf_counter() - started, 1),
               "when": time.strftime("%Y-%m-%d %H:%M:%S")}
