@@ -242,7 +242,9 @@ class Process:
                 return "waiting"
             # Async instantiation also returns to the poller before it is done.
             return "continue" if self._instantiating else "preempted"
-        if fiber.exit_code is not None:
+        if self._kill_reason is not None:  # asked for while it ran (past its output limit, say)
+            self._end(ProcessState.KILLED, EXIT_KILLED, self._kill_reason)
+        elif fiber.exit_code is not None:
             self._end(ProcessState.EXITED, fiber.exit_code, f"exit {fiber.exit_code}")
         elif fiber.trap is not None:
             memory_bytes = self._memory.data_len(self.store) if self._memory is not None else None

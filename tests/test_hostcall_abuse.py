@@ -7,7 +7,9 @@ import pytest
 
 from guests import wat
 from symphony_os.errors import ErrorCode as E
-from symphony_os.hostcalls import HostCalls
+from symphony_os.hostcalls import MAX_TEXT_BYTES, HostCalls
+from symphony_os.limits import ProcessLimits
+from symphony_os.process import EXIT_KILLED
 from symphony_os.runtime import Runtime
 from symphony_os.sampling import GreedyEach
 
@@ -219,3 +221,31 @@ def test_greedy_each_into_a_short_buffer_is_buffer_too_small_and_the_ticket_stay
     kv = tiny_engine.session()
     assert tokens == tiny_engine.pred(kv, kv.create(), [1, 5, 9], want=GreedyEach()).tokens
     kv.close_all()
+
+
+def test_one_fd_write_takes_at_most_a_mib_whatever_its_iovecs_say(tiny_engine):
+    """64 iovecs over the whole of a 2 MiB memory asked the host for 128 MiB in one call, copied
+    before the output limit applied (1,024 over 256 MiB: 256 GiB). One call now takes at most
+    MAX_TEXT_BYTES, a partial write that nwritten reports; the output limit ends the process at
+    the next call, and it ends killed even though its code then returns on its own."""
+    module = wat(f'''(module
+      (import "wasi_snapshot_preview1" "fd_write" (func $fd_write (param i32 i32 i32 i32) (result i32)))
+      (import "symphony" "send" (func $send (param i32 i32) (result i32)))
+      (memory (export "memory") 32)
+      (func (export "_start") (local $i i32)
+        (loop $iovecs  ;; 64 iovecs at 0, each the whole memory
+          (i32.store (i32.mul (local.get $i) (i32.const 8)) (i32.const 0))
+          (i32.store (i32.add (i32.mul (local.get $i) (i32.const 8)) (i32.const 4)) (i32.const {32 * PAGE}))
+          (local.set $i (i32.add (local.get $i) (i32.const 1)))
+          (br_if $iovecs (i32.lt_u (local.get $i) (i32.const 64))))
+        (i32.store (i32.const 1024) (call $fd_write (i32.const 1) (i32.const 0) (i32.const 64) (i32.const 1028)))
+        (drop (call $send (i32.const 1024) (i32.const 8)))  ;; errno, nwritten
+        (drop (call $fd_write (i32.const 1) (i32.const 0) (i32.const 64) (i32.const 1028)))))''')
+    with Runtime(tiny_engine) as runtime:
+        out, log = [], []
+        proc = runtime.spawn(runtime.load(module, "iovecs"), on_output=out.append, on_log=log.append,
+                             limits=ProcessLimits(output_bytes=2 * MAX_TEXT_BYTES))
+        assert runtime.wait(proc, 60) == EXIT_KILLED
+    assert proc.end_reason == "killed: output limit 2 MiB exceeded"
+    assert struct.unpack("<2i", b"".join(out)) == (0, MAX_TEXT_BYTES)
+    assert sum(len(part) for part in log) == MAX_TEXT_BYTES
