@@ -41,6 +41,7 @@ from .limits import compiles_within
 from .process import Process
 from .program import printable
 from .sampling import Distribution, GreedyEach, Sample, TopK, Want
+from .wit import component_signatures
 
 log = logging.getLogger("symphony.component")
 
@@ -50,6 +51,10 @@ RUN_EXPORT = "run"
 # preopened directories and no network: these imports link, and a file or socket call fails.
 WASI_PACKAGES = frozenset({"wasi:cli", "wasi:clocks", "wasi:filesystem", "wasi:io", "wasi:random", "wasi:sockets"})
 DISTRIBUTION_RESOURCE_TYPE = 0x53594D01  # our host resource type id ("SYM" 1)
+# The version wasmtime 50's WASI defines; imports of any 0.2.x version link to it.
+WASI_MONOTONIC_CLOCK = "wasi:clocks/monotonic-clock@0.2.12"
+TIMER_REFUSED = (b"a LIP cannot sleep or wait on a timer (wasi:clocks/monotonic-clock subscribe): "
+                 b"it would hold up the host's worker; wait on pred or recv instead")
 
 
 # ---- loading ----
@@ -89,19 +94,79 @@ def compile_component(engine: wasmtime.Engine, data: bytes, cache_dir: Path | No
 
 def check_component(component: wc.Component, engine: wasmtime.Engine) -> str | None:
     """Why a component cannot run here (one line), or None: it may import only our interfaces
-    and WASI, and must export `run: func() -> s32`."""
+    and WASI, each of our functions with the type guest_sdk/python/wit gives it, and must
+    export `run: func() -> s32`. The types matter: our host functions are dynamically typed
+    (wasmtime links any type to them), and a value read or written as another type than the
+    guest's crashed the host."""
     ty = component.type
-    for name in ty.imports(engine):
+    for name, item in ty.imports(engine).items():
         if not (name.startswith(f"{PACKAGE}/") or name.split("/", 1)[0] in WASI_PACKAGES):
             return (f"unknown import {printable(name)}: only {PACKAGE}/* ({PACKAGE_VERSION}) and "
                     f"{', '.join(sorted(WASI_PACKAGES))} are provided")
-        if name.startswith(f"{PACKAGE}/") and name.split("/", 1)[1] not in _IMPORT_NAMES:
-            return f"unknown import {printable(name)}: no such interface (see guest_sdk/python/wit/symphony.wit)"
+        if name.startswith(f"{PACKAGE}/"):
+            if name.split("/", 1)[1] not in _IMPORT_NAMES:
+                return f"unknown import {printable(name)}: no such interface (see guest_sdk/python/wit/symphony.wit)"
+            problem = _check_interface(name.split("/", 1)[1].split("@")[0], item.ty, engine)
+            if problem is not None:
+                return problem
     run = ty.exports(engine).get(RUN_EXPORT)
     run = run.ty if run is not None else None
     if not (isinstance(run, wc.FuncType) and not run.params and isinstance(run.result, wc.S32)):
         return f"the component exports no `{RUN_EXPORT}: func() -> s32` (build it with the lip-python world)"
     return None
+
+
+def _check_interface(interface: str, instance: wc.ComponentInstanceType, engine: wasmtime.Engine) -> str | None:
+    """Why the functions a component imports from one of our interfaces do not match the WIT."""
+    expected = component_signatures()
+    items = {name: item.ty for name, item in instance.exports(engine).items()}
+    resources = [(ty, name) for name, ty in items.items() if isinstance(ty, wc.ResourceType)]
+    for name, ty in items.items():
+        if not isinstance(ty, wc.FuncType):
+            continue  # types (error-code, sampling, ...) matter where a function uses them
+        qualified = f"{interface}.{name}"
+        if qualified not in expected:
+            return f"unknown import {printable(qualified)}: no such function in {PACKAGE}/{interface}"
+        declared = describe_func(ty, resources)
+        if declared != expected[qualified]:
+            return (f"import {printable(qualified)} is declared as {printable(declared)[:300]}; "
+                    f"the host provides {expected[qualified][:300]}")
+    return None
+
+
+def describe_func(ty: wc.FuncType, resources: list[tuple[wc.ResourceType, str]]) -> str:
+    """A function type in wit.component_signatures' spelling; a resource by the name its
+    instance exports it under (`resources`), else `?`."""
+    params = ", ".join(describe(param, resources) for _, param in ty.params)
+    result = ty.result
+    return f"({params})" + (f" -> {describe(result, resources)}" if result is not None else "")
+
+
+def describe(ty, resources: list[tuple[wc.ResourceType, str]]) -> str:
+    """A component value type in WIT's syntax, named types written out (see describe_func)."""
+    def inner(t) -> str:
+        return "_" if t is None else describe(t, resources)
+
+    if isinstance(ty, wc.ListType):
+        return f"list<{inner(ty.element)}>"
+    if isinstance(ty, wc.OptionType):
+        return f"option<{inner(ty.payload)}>"
+    if isinstance(ty, wc.ResultType):
+        return f"result<{inner(ty.ok)}, {inner(ty.err)}>"
+    if isinstance(ty, wc.TupleType):
+        return f"tuple<{', '.join(inner(t) for t in ty.elements)}>"
+    if isinstance(ty, wc.RecordType):
+        return "record{" + ", ".join(f"{name}: {inner(t)}" for name, t in ty.fields) + "}"
+    if isinstance(ty, wc.VariantType):
+        return "variant{" + ", ".join(name + ("" if t is None else f"({inner(t)})") for name, t in ty.cases) + "}"
+    if isinstance(ty, wc.EnumType):
+        return "enum{" + ", ".join(ty.names) + "}"
+    if isinstance(ty, wc.FlagsType):
+        return "flags{" + ", ".join(ty.names) + "}"
+    if isinstance(ty, (wc.OwnType, wc.BorrowType)):
+        name = next((name for resource, name in resources if resource == ty.ty), "?")
+        return f"{'own' if isinstance(ty, wc.OwnType) else 'borrow'}<{name}>"
+    return type(ty).__name__.lower()  # the primitives: S32 is s32, String string
 
 
 # ---- values across the boundary ----
@@ -138,6 +203,12 @@ class _HostFunction:
         if isinstance(self.result, wc.ResultType):
             self.ok_type, self.err_type = self.result.ok, self.result.err
         self.typed = True
+
+    def check_arity(self, nargs: int, nresults: int) -> None:
+        """A guard behind check_component's: values are read and written only as many as the
+        types say (a result written into an empty results array corrupted the host's memory)."""
+        if nargs != len(self.params) or nresults != (self.result is not None):
+            raise RuntimeError(f"called with {nargs} arguments and {nresults} results, not as the WIT declares")
 
     def arguments(self, store, args, max_list: int) -> list:
         """The arguments as Python values. Converting goes element by element (2M ids took
@@ -272,6 +343,7 @@ def _call_sync(key, context, ty_raw, args, nargs, results, nresults):
     store = wasmtime.StoreContext(context)
     try:
         function.learn_types(ty_raw)
+        function.check_arity(nargs, nresults)
         function.lower(store, _invoke(function, store, args), results)
         return 0
     except BaseException as error:
@@ -295,6 +367,7 @@ def _call_async(key, context, ty_raw, args, nargs, results, nresults, error_ret,
     store = wasmtime.StoreContext(context)
     try:
         function.learn_types(ty_raw)
+        function.check_arity(nargs, nresults)
         outcome = _invoke(function, store, args)
         if isinstance(outcome, Block):
             pending = _polling.fiber.owner.block_on(outcome, None)
@@ -341,6 +414,17 @@ def _forget_waiting(waiting_key) -> None:
 @ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 def _forget_function(key) -> None:
     _FUNCTIONS.pop(key, None)
+
+
+@ffi.wasmtime_component_func_callback_t
+def _refuse_timer(key, context, ty_raw, args, nargs, results, nresults):
+    """wasi:clocks/monotonic-clock's subscribe-duration and subscribe-instant: the guest traps."""
+    return ctypes.cast(ffi.wasmtime_error_new(TIMER_REFUSED), ctypes.c_void_p).value
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+def _forget_nothing(_key) -> None:
+    """The finalizer of a host function that keeps no data."""
 
 
 def _drop_distribution(store, rep: int) -> None:
@@ -611,6 +695,18 @@ class ComponentLinker:
         error = ffi.wasmtime_component_linker_add_wasip2_async(self.linker.ptr())
         if error:
             raise wasmtime.WasmtimeError._from_ptr(error)
+        # Timers: wasmtime's WASI waits on a pollable with a tokio timer, and our fibers are
+        # polled outside any tokio runtime, so waiting on one (Python's time.sleep) panicked in
+        # Rust and aborted the host. A LIP cannot create one: it waits on pred or recv instead.
+        self.linker.allow_shadowing = True
+        with self.linker.root() as root, root.add_instance(WASI_MONOTONIC_CLOCK) as clock:
+            for name in ("subscribe-duration", "subscribe-instant"):
+                name_bytes = name.encode()
+                error = ffi.wasmtime_component_linker_instance_add_func(
+                    clock.ptr(), ctypes.create_string_buffer(name_bytes), len(name_bytes), _refuse_timer, 0, _forget_nothing)
+                if error:
+                    raise wasmtime.WasmtimeError._from_ptr(error)
+        self.linker.allow_shadowing = False
         with self.linker.root() as root:
             for interface, calls in _INTERFACES.items():
                 with root.add_instance(f"{PACKAGE}/{interface}@{PACKAGE_VERSION}") as instance:

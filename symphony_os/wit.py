@@ -2,6 +2,7 @@
 tests can check themselves against it."""
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,3 +40,83 @@ def read_wit(path: Path = WIT_PATH) -> tuple[list[WitFunction], list[str]]:
         if enum:
             errors = [case.strip() for case in enum.group(1).split(",") if case.strip()]
     return functions, errors
+
+
+COMPONENT_WIT_PATH = Path(__file__).resolve().parent.parent / "guest_sdk" / "python" / "wit" / "symphony.wit"
+PRIMITIVES = frozenset({"bool", "s8", "s16", "s32", "s64", "u8", "u16", "u32", "u64", "f32", "f64", "char", "string"})
+
+
+def split_top(text: str) -> list[str]:
+    """`text` split at the commas outside angle brackets and parentheses, parts stripped, empty
+    parts dropped (a trailing comma)."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        if char in "<(":
+            depth += 1
+        elif char in ">)":
+            depth -= 1
+        elif char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [part.strip() for part in parts if part.strip()]
+
+
+@functools.cache
+def component_signatures(path: Path = COMPONENT_WIT_PATH) -> dict[str, str]:
+    """The type of every function of the component interfaces (guest_sdk/python/wit), keyed
+    `interface.name` (a resource's methods `interface.[method]resource.name`, with their `self`),
+    as `(T, ...)` or `(T, ...) -> R` with every named type written out: `enum{a, b}`,
+    `record{field: T}`, `variant{case, case(T)}`, `own<resource>`, `borrow<resource>` (the
+    spelling of component.describe_func, which writes the types a component declares)."""
+    text = _strip_comments(path.read_text())
+    interfaces = {match.group(1): match.group(2)
+                  for match in re.finditer(r"interface\s+([\w-]+)\s*\{(.*?)\n\}", text, re.S)}
+    named: dict[str, dict[str, tuple[str, str]]] = {}  # interface -> type name -> (kind, body)
+    for interface, body in interfaces.items():
+        named[interface] = {name.lstrip("%"): (kind, inner) for kind, name, inner in re.findall(
+            r"\b(enum|record|variant|flags|resource)\s+(%?[\w-]+)\s*(?:\{(.*?)\}|;)", body, re.S)}
+    signatures = {}
+    for interface, body in interfaces.items():
+        scope = dict(named[interface])
+        for source, names in re.findall(r"\buse\s+([\w-]+)\.\{([^}]*)\}\s*;", body):
+            for name in split_top(names):
+                scope[name] = named[source][name]
+
+        def expand(ty: str) -> str:
+            ty = ty.strip().lstrip("%")
+            if ty in PRIMITIVES or ty == "_":
+                return ty
+            if ty == "result":
+                return "result<_, _>"
+            generic = re.fullmatch(r"([\w-]+)\s*<(.*)>", ty, re.S)
+            if generic:
+                head, args = generic.group(1), [expand(arg) for arg in split_top(generic.group(2))]
+                if head == "result" and len(args) == 1:
+                    args.append("_")
+                return f"{head}<{', '.join(args)}>"
+            kind, inner = scope[ty]
+            if kind == "resource":
+                return f"own<{ty}>"
+            if kind == "record":
+                fields = (field.split(":", 1) for field in split_top(inner))
+                return "record{" + ", ".join(f"{n.strip().lstrip('%')}: {expand(t)}" for n, t in fields) + "}"
+            if kind == "variant":
+                cases = (re.fullmatch(r"%?([\w-]+)\s*(?:\((.*)\))?", case, re.S) for case in split_top(inner))
+                return "variant{" + ", ".join(c.group(1) + (f"({expand(c.group(2))})" if c.group(2) else "")
+                                              for c in cases) + "}"
+            return f"{kind}{{{', '.join(name.lstrip('%') for name in split_top(inner))}}}"  # enum, flags
+
+        def signature(params: str, result: str | None, this: str | None = None) -> str:
+            types = ([f"borrow<{this}>"] if this else []) + [expand(p.split(":", 1)[1]) for p in split_top(params)]
+            return f"({', '.join(types)})" + (f" -> {expand(result)}" if result else "")
+
+        func = r"(%?[\w-]+)\s*:\s*func\(([^)]*)\)\s*(?:->\s*([^;]+))?;"
+        for name, (kind, inner) in named[interface].items():
+            if kind == "resource" and inner:
+                for method, params, result in re.findall(func, inner):
+                    signatures[f"{interface}.[method]{name}.{method}"] = signature(params, result, this=name)
+        top_level = re.sub(r"\b(enum|record|variant|flags|resource)\s+%?[\w-]+\s*(\{.*?\}|;)", "", body, flags=re.S)
+        for name, params, result in re.findall(func, top_level):
+            signatures[f"{interface}.{name.lstrip('%')}"] = signature(params, result)
+    return signatures

@@ -14,14 +14,15 @@ from click.testing import CliRunner
 
 from guests import lip
 from symphony_os.cli import main
-from symphony_os.component import _INTERFACES
+from symphony_os.component import _INTERFACES, describe_func
 from symphony_os.engine import Engine
+from symphony_os.fiber import make_async_engine
 from symphony_os.errors import ErrorCode
 from symphony_os.limits import ProcessLimits
-from symphony_os.process import EXIT_KILLED
+from symphony_os.process import EXIT_KILLED, EXIT_TRAPPED
 from symphony_os.program import ProgramError
 from symphony_os.runtime import Runtime
-from symphony_os.wit import read_wit
+from symphony_os.wit import component_signatures, read_wit
 
 ROOT = Path(__file__).resolve().parent.parent
 SDK = ROOT / "guest_sdk" / "python"
@@ -86,6 +87,30 @@ def test_component_world_has_the_calls_and_errors_of_the_core_wit():
     assert {name.split(".")[1] for name in _INTERFACES["inference"] if name.startswith("[method]")} == \
         {name for _, name in methods}
     assert re.search(r"resource distribution", WIT.read_text())
+
+
+def test_the_types_a_component_may_declare_are_the_wits_and_sdk_components_declare_them():
+    """check_component compares what a component declares with component_signatures (read
+    from the WIT): one signature per call the host serves, and a component componentize-py
+    built from the WIT (it imports every call) declares exactly those."""
+    signatures = component_signatures(WIT)
+    assert set(signatures) == {f"{interface}.{name}" for interface, calls in _INTERFACES.items() for name in calls}
+    assert signatures["inference.[method]distribution.top-k"] == \
+        f"(borrow<distribution>, s32) -> result<list<tuple<s32, f32>>, enum{{{', '.join(read_wit(WIT)[1])}}}>"
+    assert signatures["inference.pred-wait"].startswith(
+        "(s32) -> result<variant{distribution(own<distribution>), top-k(list<tuple<s32, f32>>), token(s32), "
+        "tokens(list<s32>)}, enum{invalid-argument, ")
+    engine = make_async_engine()
+    component = wasmtime.component.Component(engine, python_lip("hello").read_bytes())
+    declared = {}
+    for name, item in component.type.imports(engine).items():
+        if name.startswith("symphony:component/"):
+            interface = name.split("/")[1].split("@")[0]
+            exports = {n: e.ty for n, e in item.ty.exports(engine).items()}
+            resources = [(ty, n) for n, ty in exports.items() if isinstance(ty, wasmtime.component.ResourceType)]
+            declared.update({f"{interface}.{n}": describe_func(ty, resources) for n, ty in exports.items()
+                             if isinstance(ty, wasmtime.component.FuncType)})
+    assert declared == signatures
 
 
 # ---- the gallery in Python ----
@@ -184,10 +209,31 @@ def test_python_guest_exception_exits_1_with_traceback_and_prints_in_its_log(eng
     assert "about to fail" in log and "RuntimeError: boom" in log
 
 
+def test_a_python_guest_that_sleeps_is_trapped_and_the_host_carries_on(engine):
+    """time.sleep waits on a WASI timer, which wasmtime serves with tokio's: polled from our
+    fibers (no tokio runtime) it panicked in Rust and aborted the whole host. Now the timer is
+    refused: that process traps with the reason, and the next one runs."""
+    with Runtime(engine) as runtime:
+        out = []
+        process = runtime.spawn(runtime.load(misbehave()), ["sleep"], on_output=out.append)
+        assert runtime.wait(process, 60) == EXIT_TRAPPED
+        assert b"".join(out) == b"sleeping\n" and "a LIP cannot sleep or wait on a timer" in process.end_reason
+        hello, _ = run(runtime, python_lip("hello"), ["Once upon a time", "8"])
+        assert hello.startswith("Once upon a time")
+
+
 @pytest.mark.parametrize("wat, message", [
     ('(component (import "evil:disk/format" (instance)))', "unknown import evil:disk/format"),
     ('(component (import "wasi:http/outgoing-handler@0.2.0" (instance)))', "unknown import wasi:http"),
     ('(component (import "symphony:component/raw-memory@0.1.0" (instance)))', "no such interface"),
+    # Our host functions take whatever type a component declares for them: a type other than
+    # the WIT's is refused at load (a send without its result, written anyway, crashed the host).
+    ('(component (import "symphony:component/io@0.1.0" (instance (export "send" (func (param "text" string))))))',
+     r"import io.send is declared as \(string\); the host provides \(string\) -> result<_, enum\{invalid-argument"),
+    ('(component (import "symphony:component/io@0.1.0" (instance (export "send" (func (param "text" u32))))))',
+     r"import io.send is declared as \(u32\); the host provides \(string\)"),
+    ('(component (import "symphony:component/kv@0.1.0" (instance (export "kv-format" (func)))))',
+     "unknown import kv.kv-format: no such function in symphony:component/kv"),
     ("(component)", "exports no `run"),
     ('(component (core module $m (func (export "f"))) (core instance $i (instantiate $m)) '
      '(func (export "run") (canon lift (core func $i "f"))))', "exports no `run: func"),

@@ -4,7 +4,8 @@ Usage: misbehave MODE
             line `check=error-name` per misuse, then exits 0
   crash   - prints to its log, then raises: exit code 1, the traceback in the log
   calls N - times N cheap host calls of each kind; sends `call=microseconds` lines
-  limits  - runs into the per-process limits (run it with small ones): sends `check=outcome` lines"""
+  limits  - runs into the per-process limits (run it with small ones): sends `check=outcome` lines
+  sleep   - sends `sleeping`, then calls time.sleep (a LIP cannot wait on a timer: it traps)"""
 import time
 
 import symphony
@@ -113,6 +114,10 @@ def main(args: list[str]) -> int:
         limits()
     elif mode == "calls":
         calls(int(args[1]))
+    elif mode == "sleep":
+        symphony.send("sleeping\n")
+        time.sleep(0.01)
+        symphony.send("woke\n")
     return 0
 
 
