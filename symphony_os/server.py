@@ -40,7 +40,7 @@ from .process_table import AlreadyAttached, FrameBuffer, ProcessTable, ServedPro
 from .program import ProgramError
 from .program_store import ProgramStore, StoredProgram
 from .runtime import Runtime
-from .server_state import ServerConfig, ServerState, StateDep, TenantDep, bearer_token
+from .server_state import UPLOADS_IN_PROGRESS_PER_TENANT, ServerConfig, ServerState, StateDep, TenantDep, bearer_token
 from .tenants import QuotaExceeded, Tenant, Tenants
 
 log = logging.getLogger("symphony.server")
@@ -127,13 +127,19 @@ def create_app(engine: Engine, tenants: Tenants | None = None, config: ServerCon
         if length is not None and length.isdigit() and remaining is not None and int(length) > remaining:
             raise HTTPException(403, f"upload quota: {remaining} of {tenant.quotas.max_upload_bytes} bytes left, "
                                      f"this program is {length} bytes; delete programs first")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > cap:
-                raise HTTPException(413, f"module is over the limit of {cap} bytes")
-            chunks.append(chunk)
+        # Bodies are held in memory until compiled: a tenant's uploads in progress hold at most
+        # a few modules' worth (many at once, each up to the cap, had no bound but the host's).
+        budget, chunks, size = UPLOADS_IN_PROGRESS_PER_TENANT * cap, [], 0
         try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                state.uploading[tenant.name] = state.uploading.get(tenant.name, 0) + len(chunk)
+                if size > cap:
+                    raise HTTPException(413, f"module is over the limit of {cap} bytes")
+                if state.uploading[tenant.name] > budget:
+                    raise HTTPException(429, f"tenant {tenant.name!r} has over {budget} bytes of uploads in "
+                                             "progress; send this one when they are done")
+                chunks.append(chunk)
             async with state.compiles:
                 stored = await asyncio.to_thread(state.store.add, tenant.name, b"".join(chunks), name,
                                                  tenant.quotas.max_upload_bytes)
@@ -141,6 +147,9 @@ def create_app(engine: Engine, tenants: Tenants | None = None, config: ServerCon
             raise HTTPException(400, f"not a program Symphony can run: {error}") from None
         except QuotaExceeded as error:
             raise HTTPException(403, str(error)) from None
+        finally:
+            if size:
+                state.uploading[tenant.name] -= size
         event(log, "program uploaded", tenant=tenant.name, sha256=stored.sha256, size=stored.size, name=name)
         return stored.to_json()
 

@@ -19,6 +19,9 @@ from .runtime import Runtime
 from .tenants import Tenant, Tenants
 
 MAX_CONCURRENT_COMPILES = 2
+# The bytes of one tenant's uploads in progress (each held from its first byte until compiled),
+# in max_upload_bytes: past it an upload is answered 429.
+UPLOADS_IN_PROGRESS_PER_TENANT = 2
 
 
 @dataclass
@@ -48,6 +51,7 @@ class ServerState:
     completions: CompletionCounters
     # Uploads compiling at once (each takes a thread and a CPU core); more wait their turn.
     compiles: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_CONCURRENT_COMPILES))
+    uploading: dict[str, int] = field(default_factory=dict)  # tenant -> bytes of its uploads in progress
 
 
 def state_of(request: Request) -> ServerState:

@@ -194,3 +194,40 @@ def test_concurrent_uploads_cannot_pass_the_upload_quota_together(served):
     assert len(refused) == 2 and all(r.status == 403 and "upload quota" in r.reason for r in refused)
     with Client(served.url, TOKENS["small"]) as small:
         assert sum(p["size"] for p in small.programs()) <= quota
+
+
+def test_a_tenants_uploads_in_progress_hold_at_most_two_modules_of_memory(served):
+    """A body is held from its first byte until it is compiled: past two max_upload_bytes of
+    one tenant's uploads in progress the next is answered 429 (slow uploads many at a time each
+    held up to the cap, with no bound but the host's memory). Another tenant's uploads go on,
+    and once the slow ones end the tenant uploads again."""
+    module = wat('(module (memory (export "memory") 8) (data (i32.const 0) "' + "x" * 300_000 + '") '
+                 '(func (export "_start")))')
+    in_progress = served.app.state.symphony.uploading
+
+    async def scenario():
+        release = asyncio.Event()
+
+        async def slow_body():
+            yield b"\0" * 900_000  # not a module: refused once it ends
+            await release.wait()
+
+        async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+            def upload(tenant, body):
+                return http.post("/programs", content=body, headers={"authorization": f"Bearer {TOKENS[tenant]}"})
+
+            slow = [asyncio.create_task(upload("alice", slow_body())) for _ in range(2)]
+            for _ in range(600):  # until the server holds both first chunks
+                if in_progress.get("alice", 0) >= 1_800_000:
+                    break
+                await asyncio.sleep(0.05)
+            refused, other = await upload("alice", module), await upload("bob", module)
+            release.set()
+            ended = await asyncio.gather(*slow)
+            return refused, other, ended, await upload("alice", module)
+
+    refused, other, ended, again = asyncio.run(scenario())
+    assert refused.status_code == 429 and "bytes of uploads in progress" in refused.json()["detail"], refused.text
+    assert other.status_code == 201 and again.status_code == 201, (other.text, again.text)
+    assert [r.status_code for r in ended] == [400, 400]
+    assert in_progress["alice"] == 0
