@@ -1,9 +1,10 @@
 """The batch scheduler (level 2): decides which pending `pred` work runs in the next forward
 pass. It never touches tensors or KV pages; it returns a `BatchPlan` of plain data.
 
-Policy: under a token budget, decodes (requests with one token left) go first, then prefills
-in arrival order, chunked into what remains of the budget. A KV file is written by at most one
-request per batch, in arrival order, so writes to one file never race.
+Policy: under a token budget, decodes (requests with one token left) go first, then prefills,
+chunked into what remains of the budget: with several tenants' prefills waiting, each tenant's
+earliest first gets an equal share of it, then the rest goes in arrival order. A KV file is
+written by at most one request per batch, in arrival order, so writes to one file never race.
 """
 from __future__ import annotations
 
@@ -87,25 +88,45 @@ class BatchScheduler:
         budget = self.token_budget
         room = self.max_batch_size  # chunks still allowed
         busy_files: set[int] = set()
-        prefills = False
-        for decode_pass in (True, False):
-            if not decode_pass and not prefills:
-                break  # only decodes wait: the first pass saw them all
-            # A file whose earlier request is skipped in this pass takes no later one (order).
-            skipped_files: set[int] = set()
+        prefill_owners: dict[str, None] = {}  # tenants with prefill work, in order of arrival
+        # Decodes first. A file whose earlier request is skipped in a pass takes no later one in
+        # that pass (order).
+        skipped_files: set[int] = set()
+        for request in self.waiting.values():
+            if budget == 0 or room == 0:
+                break
+            file_id = request.file.file_id
+            if request.remaining != 1:
+                prefill_owners[request.file.owner] = None
+                skipped_files.add(file_id)
+            elif file_id in busy_files or file_id in skipped_files:
+                skipped_files.add(file_id)
+            else:
+                chunks.append(ScheduledChunk(request, request.done, 1, True))
+                busy_files.add(file_id)
+                budget -= 1
+                room -= 1
+        if not prefill_owners:
+            return BatchPlan(chunks)
+        # Prefills: with several tenants waiting, each first gets a share of the budget for its
+        # earliest request (a tenant's long prompts queued first held the others' short ones
+        # back for their whole length); then the rest of the budget goes in arrival order.
+        share = max(1, budget // len(prefill_owners)) if len(prefill_owners) > 1 else None
+        for per_owner in ((True, False) if share else (False,)):
+            skipped_files, served = set(), set()
             for request in self.waiting.values():
                 if budget == 0 or room == 0:
                     break
-                file_id = request.file.file_id
-                remaining = request.remaining
-                if remaining != 1:
-                    prefills = True
-                if file_id in busy_files or file_id in skipped_files or (remaining == 1) != decode_pass:
+                file_id, remaining = request.file.file_id, request.remaining
+                owner = request.file.owner
+                if (remaining == 1 or file_id in busy_files or file_id in skipped_files
+                        or (per_owner and owner in served)):
                     skipped_files.add(file_id)
                     continue
-                count = remaining if remaining <= budget else budget
+                count = min(remaining, budget, share) if per_owner else min(remaining, budget)
                 chunks.append(ScheduledChunk(request, request.done, count, count == remaining))
                 busy_files.add(file_id)
+                served.add(owner)
                 budget -= count
                 room -= 1
         return BatchPlan(chunks)

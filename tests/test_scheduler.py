@@ -4,8 +4,8 @@ from symphony_os.sampling import Sample
 from symphony_os.scheduler import BatchScheduler, PredRequest
 
 
-def request(file_id, n):
-    return PredRequest(KvFile(file_id, "t", None, 0.0), list(range(n)), None, Sample())
+def request(file_id, n, tenant="t"):
+    return PredRequest(KvFile(file_id, tenant, None, 0.0), list(range(n)), None, Sample())
 
 
 def plan_of(scheduler):
@@ -52,3 +52,37 @@ def test_batch_size_cap():
 
 def test_empty_queue_plans_nothing():
     assert BatchScheduler().schedule() is None
+
+
+def test_prefill_budget_is_shared_among_tenants_before_arrival_order_fills_it():
+    """A tenant's long prompts queued first do not hold another tenant's short one back for
+    their whole length: each tenant with prefill work gets a share of the batch's budget
+    (its requests in arrival order), and what is left goes in arrival order."""
+    s = BatchScheduler(token_budget=512)
+    hog = [request(i, 10_000, "hog") for i in range(3)]
+    short, decode = request(10, 20, "other"), request(11, 1, "hog")
+    for r in (*hog, short, decode):
+        s.add(r)
+    assert plan_of(s) == [(decode, 0, 1), (hog[0], 0, 255), (short, 0, 20), (hog[1], 0, 236)]
+
+
+def test_one_tenant_alone_is_served_in_arrival_order_as_before():
+    s = BatchScheduler(token_budget=512)
+    first, second = request(1, 300), request(2, 400)
+    for r in (first, second):
+        s.add(r)
+    assert plan_of(s) == [(first, 0, 300), (second, 0, 212)]
+
+
+def test_the_shares_keep_a_files_requests_in_order():
+    """A tenant whose share went to one file's request does not, in the shared round, get a
+    later request of a file whose earlier request it skipped."""
+    s = BatchScheduler(token_budget=100)
+    file_a, file_b = KvFile(1, "t", None, 0.0), KvFile(2, "t", None, 0.0)
+    a1 = PredRequest(file_a, list(range(300)), None, Sample())
+    b1 = PredRequest(file_b, list(range(300)), None, Sample())
+    a2 = PredRequest(file_a, list(range(5)), None, Sample())
+    other = request(3, 10, "u")
+    for r in (a1, b1, a2, other):
+        s.add(r)
+    assert plan_of(s) == [(a1, 0, 50), (other, 0, 10), (b1, 0, 40)]
