@@ -106,6 +106,8 @@ def check_component(component: wc.Component, engine: wasmtime.Engine) -> str | N
         if name.startswith(f"{PACKAGE}/"):
             if name.split("/", 1)[1] not in _IMPORT_NAMES:
                 return f"unknown import {printable(name)}: no such interface (see guest_sdk/python/wit/symphony.wit)"
+            if not isinstance(item.ty, wc.ComponentInstanceType):
+                return f"import {printable(name)} must be an instance (of the interface's functions)"
             problem = _check_interface(name.split("/", 1)[1].split("@")[0], item.ty, engine)
             if problem is not None:
                 return problem
@@ -122,9 +124,11 @@ def _check_interface(interface: str, instance: wc.ComponentInstanceType, engine:
     items = {name: item.ty for name, item in instance.exports(engine).items()}
     resources = [(ty, name) for name, ty in items.items() if isinstance(ty, wc.ResourceType)]
     for name, ty in items.items():
-        if not isinstance(ty, wc.FuncType):
-            continue  # types (error-code, sampling, ...) matter where a function uses them
         qualified = f"{interface}.{name}"
+        if not isinstance(ty, wc.FuncType):
+            if isinstance(ty, (wc.ResourceType, wc.ValType)):
+                continue  # types (error-code, sampling, ...) matter where a function uses them
+            return f"import {printable(qualified)} is a {type(ty).__name__}: an interface holds functions and types"
         if qualified not in expected:
             return f"unknown import {printable(qualified)}: no such function in {PACKAGE}/{interface}"
         declared = describe_func(ty, resources)

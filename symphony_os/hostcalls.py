@@ -30,7 +30,7 @@ KIND_DISTRIBUTION, KIND_TOPK, KIND_SAMPLE, KIND_GREEDY_EACH = 0, 1, 2, 3
 SAMPLING_RECORD = struct.Struct("<ffiiQiiiii4x")  # sym_sampling: 48 bytes
 MAX_TOKENS_PER_PRED = 1 << 16
 MAX_TEXT_BYTES = 1 << 20
-WASI_EBADF, WASI_EFAULT, WASI_EINVAL = 8, 21, 28
+WASI_EBADF, WASI_EFAULT, WASI_EINVAL, WASI_EIO = 8, 21, 28, 29
 T = TypeVar("T")
 
 
@@ -418,12 +418,13 @@ class HostCalls:
 
     def fd_write(self, mem: GuestMemory, fd: int, iovs_ptr: int, iovs_len: int, nwritten_ptr: int) -> int:
         """WASI preview 1 fd_write, for stdout (1) and stderr (2) only: both go to the process's
-        log. Returns a WASI errno (0 ok, 8 badf, 21 fault, 28 inval). Serving it here keeps
-        guest output on the process's own thread (wasmtime's WASI would write from runtime
-        threads of its own, which called back into Python from foreign threads). One call takes
-        at most MAX_TEXT_BYTES, a partial write as POSIX allows (wasi-libc writes the rest in
-        the calls after): 1,024 iovecs over the whole memory each were copied whole, 64 of
-        them over 16 MiB took 2 GB of the host's memory before the output limit applied."""
+        log. Returns a WASI errno (0 ok, 8 badf, 21 fault, 28 inval, 29 io: past the output
+        limit). Serving it here keeps guest output on the process's own thread (wasmtime's WASI
+        would write from runtime threads of its own, which called back into Python from foreign
+        threads). One call takes at most MAX_TEXT_BYTES, a partial write as POSIX allows
+        (wasi-libc writes the rest in the calls after): 1,024 iovecs over the whole memory each
+        were copied whole, 64 of them over 16 MiB took 2 GB of the host's memory before the
+        output limit applied."""
         if fd not in (1, 2):
             return WASI_EBADF
         if not 0 <= iovs_len <= 1024:
@@ -438,10 +439,15 @@ class HostCalls:
                     parts.append(mem.read(ptr, min(length, room)))
                     room -= len(parts[-1])
             data = b"".join(parts)
-            mem.write_i32s(nwritten_ptr, [len(data)])
+            mem.check(nwritten_ptr, 4)
         except SymphonyError:
             return WASI_EFAULT
-        self.process.capture_log(data)
+        if data:
+            try:
+                self.process.capture_log(data)
+            except LimitExceeded:
+                return WASI_EIO  # past its output limit: it is being killed
+        mem.write_i32s(nwritten_ptr, [len(data)])
         return 0
 
 

@@ -24,15 +24,19 @@ class WitFunction:
 
 
 def _strip_comments(text: str) -> str:
-    return re.sub(r"//[^\n]*", "", text)
+    return re.sub(r"/\*.*?\*/", "", re.sub(r"//[^\n]*", "", text), flags=re.S)
+
+
+def _interfaces(path: Path) -> dict[str, str]:
+    """Each interface's body, by name (comments removed)."""
+    text = _strip_comments(path.read_text())
+    return {match.group(1): match.group(2) for match in re.finditer(r"interface\s+([\w-]+)\s*\{(.*?)\n\}", text, re.S)}
 
 
 def read_wit(path: Path = WIT_PATH) -> tuple[list[WitFunction], list[str]]:
     """The functions of every interface and the error-code cases, in order."""
-    text = _strip_comments(path.read_text())
     functions, errors = [], []
-    for match in re.finditer(r"interface\s+([\w-]+)\s*\{(.*?)\n\}", text, re.S):
-        interface, body = match.group(1), match.group(2)
+    for interface, body in _interfaces(path).items():
         for fn in re.finditer(r"([\w-]+)\s*:\s*func\(([^)]*)\)\s*(->\s*[^;]+)?;", body):
             params = tuple(p.split(":")[0].strip().lstrip("%") for p in fn.group(2).split(",") if p.strip())
             functions.append(WitFunction(interface, fn.group(1), params, fn.group(3) is not None))
@@ -69,9 +73,7 @@ def component_signatures(path: Path = COMPONENT_WIT_PATH) -> dict[str, str]:
     as `(T, ...)` or `(T, ...) -> R` with every named type written out: `enum{a, b}`,
     `record{field: T}`, `variant{case, case(T)}`, `own<resource>`, `borrow<resource>` (the
     spelling of component.describe_func, which writes the types a component declares)."""
-    text = _strip_comments(path.read_text())
-    interfaces = {match.group(1): match.group(2)
-                  for match in re.finditer(r"interface\s+([\w-]+)\s*\{(.*?)\n\}", text, re.S)}
+    interfaces = _interfaces(path)
     named: dict[str, dict[str, tuple[str, str]]] = {}  # interface -> type name -> (kind, body)
     for interface, body in interfaces.items():
         named[interface] = {name.lstrip("%"): (kind, inner) for kind, name, inner in re.findall(
@@ -90,11 +92,17 @@ def component_signatures(path: Path = COMPONENT_WIT_PATH) -> dict[str, str]:
             if ty == "result":
                 return "result<_, _>"
             generic = re.fullmatch(r"([\w-]+)\s*<(.*)>", ty, re.S)
+            if generic and generic.group(1) in ("own", "borrow"):  # of a resource, by its name
+                return f"{generic.group(1)}<{generic.group(2).strip().lstrip('%')}>"
             if generic:
                 head, args = generic.group(1), [expand(arg) for arg in split_top(generic.group(2))]
                 if head == "result" and len(args) == 1:
                     args.append("_")
                 return f"{head}<{', '.join(args)}>"
+            if ty not in scope:
+                raise ValueError(f"{path}: interface {interface}: type {ty!r} is not one this reader knows "
+                                 "(a primitive, list/option/result/tuple/own/borrow, or an enum, record, "
+                                 "variant, flags or resource of the interface or its `use`)")
             kind, inner = scope[ty]
             if kind == "resource":
                 return f"own<{ty}>"
@@ -115,7 +123,7 @@ def component_signatures(path: Path = COMPONENT_WIT_PATH) -> dict[str, str]:
         for name, (kind, inner) in named[interface].items():
             if kind == "resource" and inner:
                 for method, params, result in re.findall(func, inner):
-                    signatures[f"{interface}.[method]{name}.{method}"] = signature(params, result, this=name)
+                    signatures[f"{interface}.[method]{name}.{method.lstrip('%')}"] = signature(params, result, this=name)
         top_level = re.sub(r"\b(enum|record|variant|flags|resource)\s+%?[\w-]+\s*(\{.*?\}|;)", "", body, flags=re.S)
         for name, params, result in re.findall(func, top_level):
             signatures[f"{interface}.{name.lstrip('%')}"] = signature(params, result)

@@ -2,8 +2,10 @@
 import re
 from pathlib import Path
 
+import pytest
+
 from symphony_os.errors import ErrorCode
-from symphony_os.wit import read_wit
+from symphony_os.wit import component_signatures, read_wit
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = (ROOT / "guest_sdk" / "c" / "symphony.h").read_text()
@@ -134,3 +136,32 @@ def test_sampling_record_layout_is_the_same_in_every_sdk():
     stores = re.findall(r"store<(\w+)>\(p, [^;]*?(?:, (\d+))?\);", record)
     assert [int(offset or 0) for _, offset in stores] == offsets
     assert [kind for kind, _ in stores][4] == "u64"
+
+
+def test_the_component_wit_reader_writes_named_types_out_and_refuses_what_it_does_not_know(tmp_path):
+    interfaces = """package t:t@0.1.0;
+interface errors {
+  enum error-code { bad, worse, }
+}
+interface things {
+  use errors.{error-code};
+  /* a block comment, and %-escaped names */
+  resource %thing {
+    %size: func() -> u32;
+  }
+  record pair { %first: s32, second: list<tuple<s32, f32>>, }
+  look: func(t: borrow<thing>, p: option<pair>) -> result<thing, error-code>;
+  drop-it: func(%flags: s32);
+}
+"""
+    good, broken = tmp_path / "good.wit", tmp_path / "broken.wit"
+    good.write_text(interfaces)
+    broken.write_text(interfaces + "interface broken {\n  odd: func(x: mystery) -> u8;\n}\n")
+    assert component_signatures(good) == {
+        "things.[method]thing.size": "(borrow<thing>) -> u32",
+        "things.look": "(borrow<thing>, option<record{first: s32, second: list<tuple<s32, f32>>}>) -> "
+                       "result<own<thing>, enum{bad, worse}>",
+        "things.drop-it": "(s32)",
+    }
+    with pytest.raises(ValueError, match="type 'mystery' is not one this reader knows"):
+        component_signatures(broken)

@@ -234,6 +234,9 @@ def test_a_python_guest_that_sleeps_is_trapped_and_the_host_carries_on(engine):
      r"import io.send is declared as \(u32\); the host provides \(string\)"),
     ('(component (import "symphony:component/kv@0.1.0" (instance (export "kv-format" (func)))))',
      "unknown import kv.kv-format: no such function in symphony:component/kv"),
+    ('(component (import "symphony:component/io@0.1.0" (func)))', "import symphony:component/io@0.1.0 must be an instance"),
+    ('(component (import "symphony:component/io@0.1.0" (instance (export "send" (instance)))))',
+     "import io.send is a ComponentInstanceType"),
     ("(component)", "exports no `run"),
     ('(component (core module $m (func (export "f"))) (core instance $i (instantiate $m)) '
      '(func (export "run") (canon lift (core func $i "f"))))', "exports no `run: func"),
