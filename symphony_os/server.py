@@ -140,7 +140,7 @@ def create_app(engine: Engine, tenants: Tenants | None = None, config: ServerCon
                     raise HTTPException(429, f"tenant {tenant.name!r} has over {budget} bytes of uploads in "
                                              "progress; send this one when they are done")
                 chunks.append(chunk)
-            async with state.compiles:
+            async with state.tenant_compiles.setdefault(tenant.name, asyncio.Lock()), state.compiles:
                 stored = await asyncio.to_thread(state.store.add, tenant.name, b"".join(chunks), name,
                                                  tenant.quotas.max_upload_bytes)
         except ProgramError as error:

@@ -49,8 +49,10 @@ class ServerState:
     completion_entry: StoredProgram
     started_at: float
     completions: CompletionCounters
-    # Uploads compiling at once (each takes a thread and a CPU core); more wait their turn.
+    # Uploads compiling at once (each takes a thread and a CPU core); more wait their turn, and
+    # a tenant compiles one at a time (its queue of slow modules would hold every slot).
     compiles: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_CONCURRENT_COMPILES))
+    tenant_compiles: dict[str, asyncio.Lock] = field(default_factory=dict)
     uploading: dict[str, int] = field(default_factory=dict)  # tenant -> bytes of its uploads in progress
 
 

@@ -7,6 +7,7 @@ import httpx
 import pytest
 
 from guests import lip, wat
+from hostile import slow_to_compile
 from served import SMALL_QUOTAS, TIGHT_QUOTAS, TOKENS, served, wait_until  # noqa: F401 (fixture)
 from symphony_os.client import AsyncClient, Client, ServerError
 
@@ -231,3 +232,28 @@ def test_a_tenants_uploads_in_progress_hold_at_most_two_modules_of_memory(served
     assert other.status_code == 201 and again.status_code == 201, (other.text, again.text)
     assert [r.status_code for r in ended] == [400, 400]
     assert in_progress["alice"] == 0
+
+
+def test_a_tenants_slow_compiles_take_one_slot_not_every_one(served):
+    """Uploads compile two at a time; a tenant's queue of modules slow to compile took both
+    slots, one after another, and another tenant's upload waited behind all of them. A tenant
+    now compiles one at a time, so the other's goes through the free slot."""
+    slow = [slow_to_compile(3000 + i) for i in range(4)]  # distinct: none is already compiled
+    tiny = wat('(module (memory (export "memory") 1) (func (export "_start")) (func (export "bob") ))')
+
+    async def scenario():
+        done = []
+
+        async def upload(client, module, label):
+            await client.upload(module, label)
+            done.append(label)
+
+        async with AsyncClient(served.url, TOKENS["carol"]) as carol, AsyncClient(served.url, TOKENS["dave"]) as dave:
+            slow_ones = [asyncio.create_task(upload(carol, m, f"slow{i}")) for i, m in enumerate(slow)]
+            await asyncio.sleep(0.5)  # carol's uploads are in: one compiling, three waiting their turn
+            await upload(dave, tiny, "tiny")
+            await asyncio.gather(*slow_ones)
+        return done
+
+    done = asyncio.run(scenario())
+    assert done.index("tiny") <= 1, done  # at most carol's first finished before it
