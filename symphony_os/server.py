@@ -279,12 +279,16 @@ async def _stream_process(ws: WebSocket, table: ProcessTable, record: ServedProc
                 await ws.send_bytes(msgpack.packb(frame))
             except asyncio.CancelledError:
                 # The client left while the socket drained: uvicorn's websockets had written it.
-                frames.pop(frame)
+                delivered(frame)
                 raise
-            frames.pop(frame)  # not before: a send that failed (the client vanished) keeps it
+            delivered(frame)  # not before: a send that failed (the client vanished) keeps it
             if frame["type"] == "exit":
-                table.delivered_exit(record)
                 return
+
+    def delivered(frame: dict) -> None:
+        frames.pop(frame)
+        if frame["type"] == "exit":  # a client attaching later gets it again (ProcessTable.attach)
+            table.delivered_exit(record)
 
     async def receive() -> bool:
         """Client frames; returns True when the client detached on purpose."""

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import msgpack
 import pytest
 import websockets
 from click.testing import CliRunner
@@ -22,6 +23,7 @@ from symphony_os.client import AsyncClient, Client, ServerError
 from symphony_os.errors import InputClosed
 from symphony_os.process import INBOX_BYTES
 from symphony_os.process_table import BUFFER_BYTES, LOG_TAIL_CHARS
+from symphony_os.server import _stream_process
 
 ECHO = wat('''(module
   (import "symphony" "recv" (func $recv (param i32 i32) (result i32)))
@@ -294,6 +296,45 @@ def test_reattaching_after_the_exit_was_delivered_gets_the_exit_frame_again(serv
     finally:
         table.grace_s = grace_s
     assert seen[-1]["type"] == "exit" and again == seen[-1]
+
+
+def test_a_client_leaving_while_the_exit_frame_is_sent_leaves_it_for_the_next(served, alice):
+    """The first client detaches while its socket is still sending the exit frame (the send is
+    cancelled after it was written): the exit counts as delivered, so a client attaching next
+    gets it again instead of waiting forever for a frame that was gone."""
+    table = served.app.state.symphony.table
+    grace_s, table.grace_s = table.grace_s, 60.0
+    pid = alice.launch(alice.upload(ECHO, "echo")["sha256"], detached=True)["pid"]
+    alice.kill(pid)
+    assert wait_until(lambda: alice.inspect(pid)["end_reason"] is not None)
+    record = table.records[pid]
+
+    class Socket:  # as uvicorn's: the frame is written, then the client's detach cancels the send
+        def __init__(self, slow):
+            self.slow, self.sent = slow, []
+
+        async def send_bytes(self, data):
+            self.sent.append(msgpack.unpackb(data))
+            if self.slow:
+                await asyncio.sleep(30)
+
+        async def receive(self):
+            if self.slow:
+                await asyncio.sleep(0.05)
+                return {"type": "websocket.receive", "bytes": msgpack.packb({"type": "detach"})}
+            await asyncio.Event().wait()
+
+    async def twice():
+        first, second = Socket(slow=True), Socket(slow=False)
+        await _stream_process(first, table, record, table.attach(record))
+        await asyncio.wait_for(_stream_process(second, table, record, table.attach(record)), 30)
+        return first.sent, second.sent
+
+    try:
+        first, second = asyncio.run(twice())
+    finally:
+        table.grace_s = grace_s
+    assert first[-1]["type"] == "exit" and second == [first[-1]]
 
 
 def test_input_is_refused_past_the_inbox_limit_and_after_the_end(served, alice):
