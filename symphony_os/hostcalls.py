@@ -268,8 +268,10 @@ class HostCalls:
         if isinstance(want, Distribution):
             self._check_distribution_bytes()
         future = self.engine.submit(self.kv, kv, tokens, positions, want)
-        if kv in self.prefix_files:
-            self.prefix_files[kv].ids.extend(tokens)
+        tracked = self.prefix_files.get(kv)
+        if tracked is not None:
+            tracked.ids.extend(tokens)
+            future.add_done_callback(tracked.note_outcome)
         return future
 
     def _check_distribution_bytes(self) -> None:

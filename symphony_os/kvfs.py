@@ -400,7 +400,12 @@ class KVFS:
                 self._names[(owner, name)].last_used = self.clock()
                 return False
             file = self._new_file(owner, name)
-            self.copy_range(src, start, end, file)
+            try:
+                self.copy_range(src, start, end, file)
+            except BaseException:  # the pool is full, say: no empty block left under that name
+                self._unlink(file)
+                self._free_file(file)
+                raise
             return True
 
     def page_table(self, file: KvFile) -> list[int]:

@@ -45,9 +45,17 @@ def page_keys(ids: list[int], page_size: int) -> list[str]:
 
 @dataclass
 class TrackedFile:
-    """A file opened by `open_longest`: the token ids it holds, as far as the host saw."""
+    """A file opened by `open_longest`: the token ids it holds, as far as the host saw. A pred
+    that failed took its tokens out of the file again, but not out of `ids`, and a later one
+    may have appended others: from then on the ids are not the file's, and it is never cached."""
 
     ids: list[int] = field(default_factory=list)
+    failed: bool = False
+
+    def note_outcome(self, future) -> None:
+        """A pred on the file is done (PredFuture's callback, on the engine's thread)."""
+        if future.exception() is not None:
+            self.failed = True
 
 
 class PrefixCache:
@@ -63,13 +71,17 @@ class PrefixCache:
         owner = cache_owner(session.tenant)
         with fs.lock:
             handle = session.create()
-            file, now = session.file_of(handle), fs.clock()
-            for key in page_keys(ids[:max(len(ids) - 1, 0)], page_size):
-                block = fs.lookup(owner, key)
-                if block is None:
-                    break
-                fs.copy_range(block, 0, page_size, file)
-                block.last_used = now
+            try:
+                file, now = session.file_of(handle), fs.clock()
+                for key in page_keys(ids[:max(len(ids) - 1, 0)], page_size):
+                    block = fs.lookup(owner, key)
+                    if block is None or block.length != page_size:
+                        break
+                    fs.copy_range(block, 0, page_size, file)
+                    block.last_used = now
+            except BaseException:
+                session.close(handle)
+                raise
             return handle, TrackedFile(list(ids[:file.length]))
 
     def offer(self, session: KvSession, handle: int, tracked: TrackedFile) -> int:
@@ -78,6 +90,9 @@ class PrefixCache:
         with fs.lock:
             file = session.file_of(handle)
             refuse_busy(file, "caching its prefix")
+            if tracked.failed:
+                raise InvalidArgument("a pred on this file failed: the tokens it holds are not known, so it "
+                                      "cannot be cached")
             if file.length != len(tracked.ids) or (file.length and file.runs != [(0, 0)]):
                 raise InvalidArgument("only a file opened by kv_open_prefix and appended to at positions "
                                       "0, 1, 2, ... can be cached")
