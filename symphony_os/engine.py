@@ -115,6 +115,12 @@ class Engine:
                want: Want = GREEDY) -> PredFuture:
         """Queue a pred: append `tokens` to the file behind `handle` (at `positions`; None
         continues the file) and answer `want`. Returns a PredFuture of PredResult (or the error)."""
+        return self.submit_request(session, handle, tokens, positions, want).future
+
+    def submit_request(self, session: KvSession, handle: int, tokens: list[int], positions: list[int] | None = None,
+                       want: Want = GREEDY) -> PredRequest:
+        """submit(), returning the queued request itself (its file, the tokens it has yet to
+        append) as well as its future: for callers that account for what is in flight."""
         vocab = self.loaded.config.vocab_size
         tokens = list(tokens)
         if not tokens:
@@ -134,7 +140,7 @@ class Engine:
             self.scheduler.add(request)
             if self._thread is not None:  # only the background loop waits on the queue
                 self._queue_lock.notify()
-        return request.future
+        return request
 
     def pred(self, session: KvSession, handle: int, tokens: list[int], positions: list[int] | None = None,
              want: Want = GREEDY) -> PredResult:

@@ -18,6 +18,7 @@ from .errors import (BadHandle, BufferTooSmall, ErrorCode, InputClosed, InvalidA
 from .guest_memory import GuestMemory
 from .limits import check_kv_pages
 from .pred_future import PredFuture
+from .scheduler import PredRequest
 from .prefix_cache import PrefixCache, TrackedFile
 from .sampling import GREEDY, Distribution, GreedyEach, Sample, TopK, Want
 
@@ -51,8 +52,12 @@ class Block:
 
 @dataclass(slots=True)
 class Ticket:
-    future: PredFuture
+    request: PredRequest
     want: Want
+
+    @property
+    def future(self) -> PredFuture:
+        return self.request.future
 
 
 def _signature_of(func) -> int:
@@ -251,13 +256,13 @@ class HostCalls:
 
     def submit(self, kv: int, tokens: list[int], positions: list[int] | None, want: Want) -> int:
         """Queue a pred for the engine and return its ticket (component.py calls this too)."""
-        future = self._queue(kv, tokens, positions, want)
+        request = self._queue(kv, tokens, positions, want)
         ticket = self._next_ticket
         self._next_ticket += 1
-        self.tickets[ticket] = Ticket(future, want)
+        self.tickets[ticket] = Ticket(request, want)
         return ticket
 
-    def _queue(self, kv: int, tokens: list[int], positions: list[int] | None, want: Want) -> PredFuture:
+    def _queue(self, kv: int, tokens: list[int], positions: list[int] | None, want: Want) -> PredRequest:
         """The checks every pred passes, then the engine's queue. (A blocking `pred` takes no
         ticket, so it is not among the tickets counted here; it needs no room there either: its
         guest is suspended until it is answered, and the checks ran before it was queued.)"""
@@ -267,12 +272,12 @@ class HostCalls:
         check_kv_pages(self.process, kv, len(tokens))
         if isinstance(want, Distribution):
             self._check_distribution_bytes()
-        future = self.engine.submit(self.kv, kv, tokens, positions, want)
+        request = self.engine.submit_request(self.kv, kv, tokens, positions, want)
         tracked = self.prefix_files.get(kv)
         if tracked is not None:
             tracked.ids.extend(tokens)
-            future.add_done_callback(tracked.note_outcome)
-        return future
+            request.future.add_done_callback(tracked.note_outcome)
+        return request
 
     def _check_distribution_bytes(self) -> None:
         """Refuse one more distribution past the process's `distribution_bytes`: those of the
@@ -373,7 +378,7 @@ class HostCalls:
             into = mem.f32_tensor(out_ptr, self.engine.loaded.config.vocab_size)
             if into is not None:
                 want = Distribution(into=into, keep=self.process.store)
-        future = self._queue(kv, tokens, positions, want)
+        future = self._queue(kv, tokens, positions, want).future
         if future.done():
             return _finish_pred(mem, self, future, want, out_ptr, cap)
         return Block("blocked-on-pred", future, _finish_pred, int, (self, future, want, out_ptr, cap))

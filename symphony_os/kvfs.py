@@ -766,12 +766,12 @@ class KvSession:
     def open_handles(self) -> int:
         return len(self._handles)
 
-    def pages_held(self) -> int:
-        """Distinct pages (in the pool or swapped out) of the files this session holds open:
-        pages shared by forks count once."""
+    def pages_held(self, also=()) -> int:
+        """Distinct pages (in the pool or swapped out) of the files this session holds open and
+        of the files in `also`: pages shared by forks count once."""
         with self.fs.lock:
-            return len({id(p) if isinstance(p, HostPage) else p
-                        for entry in self._handles.values() for p in entry.file.pages})
+            files = {entry.file for entry in self._handles.values()}.union(also)
+            return len({id(p) if isinstance(p, HostPage) else p for file in files for p in file.pages})
 
     def close_all(self) -> None:
         """Close every handle this session still holds (process exit)."""

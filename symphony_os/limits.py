@@ -105,20 +105,27 @@ class Usage:
 
 
 def check_kv_pages(process: "Process", handle: int | None = None, tokens: int = 0) -> None:
-    """Raise LimitExceeded if the process's open KV files hold more than its page limit, or
-    would once `tokens` more are appended to the file behind `handle`. Costs a walk over its
-    pages: done only when the limit is set."""
+    """Raise LimitExceeded if the process's KV files hold more than its page limit, or would
+    once its preds in flight and `tokens` more on the file behind `handle` are appended. Its
+    files are those it holds open and those its preds in flight write (a handle closed after
+    its pred was queued). Costs a walk over its pages: done only when the limit is set."""
     limit = process.limits.kv_pages
     if limit is None:
         return
-    more = 0
+    coming: dict = {}  # file -> tokens still to be appended to it
+    for ticket in process.hostcalls.tickets.values():
+        request = ticket.request
+        if not request.future.done():
+            coming[request.file] = coming.get(request.file, 0) + request.remaining
     if handle is not None:
-        file, page_size = process.kv.file_of(handle), process.engine.pool.page_size
-        more = max(0, -(-(file.length + tokens) // page_size) - len(file.pages))
-    held = process.kv.pages_held()
+        file = process.kv.file_of(handle)
+        coming[file] = coming.get(file, 0) + tokens
+    page_size = process.engine.pool.page_size
+    more = sum(max(0, -(-(file.length + n) // page_size) - len(file.pages)) for file, n in coming.items())
+    held = process.kv.pages_held(also=coming)
     if held + more > limit:
         raise LimitExceeded(f"KV page limit per process: its files hold {held} of {limit} pages, "
-                            f"{more} more needed")
+                            f"{more} more needed by its preds")
 
 
 def trap_reason(fiber, limits: ProcessLimits, memory_bytes: int | None, instantiating: bool) -> str:

@@ -166,6 +166,12 @@ CORPUS: dict[str, Hostile] = {
         f"(call $pred_submit (local.get $h) (i32.const {IDS}) (i32.const 0) (i32.const 16) (i32.const 2) (i32.const 0))")
         .replace("(br $l)", "(drop (call $pred_wait (local.get $r) (i32.const 0) (i32.const 0))) (br $l)")
         + report("(local.get $i)", "(local.get $r)")), exit_code=0, sends=codes(8, E.LIMIT_EXCEEDED)),
+    # Preds queued and not yet run count too (before, eight of 128 tokens each on one file went
+    # through a limit of 8 pages: 64 pages).
+    "KV pages per process, preds queued before waiting": Hostile(lambda: guest(
+        "(local.set $h (call $kv_create))" + loop_until_error(
+            f"(call $pred_submit (local.get $h) (i32.const {IDS}) (i32.const 0) (i32.const 16) (i32.const 2) (i32.const 0))")
+        + report("(local.get $i)", "(local.get $r)")), exit_code=0, sends=codes(8, E.LIMIT_EXCEEDED)),
     "KV pages per tenant": Hostile(lambda: guest("(local.set $h (call $kv_create))" + loop_until_error(pred("(local.get $h)"))
                                                  + report("(local.get $i)", "(local.get $r)")),
                                    exit_code=0, sends=codes(2, E.LIMIT_EXCEEDED), tenant="quota-tenant",
