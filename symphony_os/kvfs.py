@@ -24,7 +24,7 @@ import enum
 import re
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -467,19 +467,27 @@ class KVFS:
         file.last_used = self.clock()
 
     def _reclaim(self, pages_needed: int) -> None:
-        """Free pages: evict closed named files, then swap unprotected open files to host."""
+        """Free pages: evict closed named files, then swap unprotected open files to host.
+        Files are evicted from the tenant (quota account) holding the most pages first, each
+        tenant's in the order its hints give (past keep-for, lowest priority, least recently
+        used): one order across tenants let a tenant's hints shield its files from another's
+        pressure, as many as the pool holds."""
         target = self.pool.free_pages + pages_needed
         now = self.clock()
-        victims = sorted(
-            (f for f in self._files.values() if self._evictable(f, now) and f.file_id not in self._protected),
-            key=lambda f: (f.hints.keep_for_s is None, f.hints.priority, f.last_used),
-        )
-        for file in victims:
-            if self.pool.free_pages >= target:
-                return
+        victims: dict[str, deque[KvFile]] = {}  # account -> its files, the first to go first
+        evictable = (f for f in self._files.values() if self._evictable(f, now) and f.file_id not in self._protected)
+        for file in sorted(evictable, key=lambda f: (f.hints.keep_for_s is None, f.hints.priority, f.last_used)):
+            victims.setdefault(quota_account(file.owner), deque()).append(file)
+        while victims and self.pool.free_pages < target:
+            account = max(victims, key=lambda a: len(self._held.get(a, ())))
+            file = victims[account].popleft()
+            if not victims[account]:
+                del victims[account]
             self._unlink(file)
             self._free_file(file)
             self.evicted_files += 1
+        if self.pool.free_pages >= target:
+            return
         swappable = sorted(
             (
                 f for f in self._files.values()

@@ -313,6 +313,24 @@ def test_pinned_priority_and_keep_for(fs, clock):
     kv.remove("normal"), kv.remove("pinned")
 
 
+def test_pool_pressure_evicts_from_the_tenant_holding_the_most_first(fs, clock):
+    """Hints order a tenant's own files; across tenants, the one holding the most pages gives
+    first. (One global order by hints let a tenant's old files at the highest priority outlive
+    another tenant's file used a moment ago, and shield as much as the pool holds.)"""
+    alice, bob = fs.session("alice"), fs.session("bob")
+    _named(fs, bob, "old-1", 16, priority=2**31 - 1)
+    _named(fs, bob, "old-2", 16, priority=2**31 - 1)
+    clock.now += 3600
+    _named(fs, alice, "recent", 16)  # 12 of 16 pages used
+    h = alice.create()
+    write(fs, alice, h, 20)  # needs 5 pages: one file goes, and it is one of bob's
+    assert [s.name for s in alice.list()] == ["recent"] and len(bob.list()) == 1
+    write(fs, alice, h, 16)  # 4 more: alice holds the most now (9 against 4), so hers goes
+    assert alice.list() == [] and len(bob.list()) == 1
+    alice.close_all()
+    bob.remove(bob.list()[0].name)
+
+
 def test_pool_pressure_swaps_open_files_and_swaps_them_back(fs):
     kv = fs.session()
     idle = kv.create()
