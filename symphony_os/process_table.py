@@ -12,7 +12,8 @@ threads, and those callbacks hop over with `call_soon_threadsafe`. A client rece
 Frames wait in the process's FrameBuffer until its client has sent them, whether or not one is
 attached: past `BUFFER_BYTES` the oldest are dropped (and the client told how many). A client
 that attaches to an ended process gets its exit frame again. Ended processes are remembered for
-a while, at most `ENDED_PER_TENANT` of them per tenant.
+a while, at most `ENDED_PER_TENANT` of them per tenant, holding at most
+`ENDED_BYTES_PER_TENANT` of unsent frames in all.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ BUFFER_BYTES = 4 * 2**20  # frames not yet sent to a client, per process
 FRAME_OVERHEAD_BYTES = 64  # counted per frame, so empty frames are bounded too
 LOG_TAIL_CHARS = 4096  # of the log, shown by GET /processes
 ENDED_PER_TENANT = 256  # ended processes remembered per tenant (the oldest are forgotten first)
+ENDED_BYTES_PER_TENANT = 64 * 2**20  # and their frames no client took, in all (the same way)
 
 
 class AlreadyAttached(Exception):
@@ -63,6 +65,10 @@ class FrameBuffer:
 
     def __len__(self) -> int:
         return len(self._frames)
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
 
     def push(self, frame: dict) -> None:
         size = frame_bytes(frame)
@@ -138,6 +144,7 @@ class ProcessTable:
         self.retention_s = retention_s
         self.records: dict[int, ServedProcess] = {}
         self.ended_per_tenant = ENDED_PER_TENANT
+        self.ended_bytes_per_tenant = ENDED_BYTES_PER_TENANT
         self._ended: dict[str, deque[int]] = {}  # tenant -> pids of its ended processes, oldest first
 
     # ---- launching and finding ----
@@ -231,14 +238,19 @@ class ProcessTable:
         self._forget_oldest_ended(record)
 
     def _forget_oldest_ended(self, record: ServedProcess) -> None:
-        """Remember at most `ended_per_tenant` ended processes of the tenant (an attached one
-        stays until the reaper takes it)."""
+        """Remember at most `ended_per_tenant` ended processes of the tenant, holding at most
+        `ended_bytes_per_tenant` of unsent frames in all (each process's own bound times the
+        processes a tenant may end in a row had no bound: 256 of them held 1 GB), forgetting
+        the oldest first; an attached one stays until the reaper takes it."""
         ended = self._ended.setdefault(record.tenant.name, deque())
         ended.append(record.pid)
-        while len(ended) > self.ended_per_tenant:
+        held = sum(old.frames.bytes for old in map(self.records.get, ended) if old is not None)
+        while len(ended) > self.ended_per_tenant or (held > self.ended_bytes_per_tenant and len(ended) > 1):
             old = self.records.get(ended.popleft())
-            if old is not None and not old.attached:
-                del self.records[old.pid]
+            if old is not None:
+                held -= old.frames.bytes
+                if not old.attached:
+                    del self.records[old.pid]
 
     # ---- housekeeping ----
 

@@ -379,6 +379,30 @@ def test_a_tenant_has_a_bounded_number_of_ended_processes_remembered(served):
         table.ended_per_tenant = remembered
 
 
+def test_a_tenants_ended_processes_hold_a_bounded_amount_of_unread_output(served):
+    """Each process keeps at most BUFFER_BYTES of frames no client took, but a tenant could end
+    detached processes one after another, each leaving its buffer full: 256 of them held 1 GB.
+    Past ended_bytes_per_tenant the oldest ended ones are forgotten, as past the count."""
+    table = served.app.state.symphony.table
+    limit, table.ended_bytes_per_tenant = table.ended_bytes_per_tenant, 3 * 2**20
+    loud = wat('''(module (import "symphony" "send" (func $send (param i32 i32) (result i32)))
+      (memory (export "memory") 16)
+      (func (export "_start") (drop (call $send (i32.const 0) (i32.const 1048576)))))''')  # 1 MiB, then exit
+    try:
+        with Client(served.url, TOKENS["carol"]) as carol:
+            program = carol.upload(loud, "loud")["sha256"]
+            pids = []
+            for _ in range(5):
+                pids.append(carol.launch(program, detached=True)["pid"])
+                assert wait_until(lambda: carol.inspect(pids[-1])["end_reason"] is not None)
+            kept = [p["pid"] for p in carol.ps(all=True) if p["pid"] in pids]
+        assert kept == pids[-2:], (kept, pids)  # three held 3 MiB of output and the frames' overhead
+        held = sum(table.records[pid].frames.bytes for pid in kept)
+        assert held <= table.ended_bytes_per_tenant
+    finally:
+        table.ended_bytes_per_tenant = limit
+
+
 def test_a_token_in_the_websocket_url_is_refused_and_not_logged(served, alice):
     pid = alice.launch(alice.upload(ECHO, "echo")["sha256"], detached=True)["pid"]
     lines = []
