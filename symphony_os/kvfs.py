@@ -103,7 +103,7 @@ class KvFile:
 
     __slots__ = (
         "file_id", "name", "owner", "pages", "length", "runs", "refs", "inflight",
-        "hints", "last_used", "shared_with", "host_pages",
+        "hints", "last_used", "shared_with", "host_pages", "readers",
     )
 
     def __init__(self, file_id: int, owner: str, name: str | None, now: float):
@@ -121,6 +121,7 @@ class KvFile:
         self.hints = EvictionHints()
         self.last_used = now
         self.shared_with: frozenset[str] = frozenset()
+        self.readers: dict[tuple[KvSession, int], None] | None = None  # other tenants' handles
 
     @property
     def next_position(self) -> int:
@@ -206,6 +207,14 @@ class KVFS:
             self._names[(owner, name)] = file
             self._named[owner] += 1
         return file
+
+    def revoke_readers(self, file: KvFile) -> None:
+        """Close other tenants' handles to `file` whose tenant it is no longer shared with
+        (or all of them, once its name is removed): a reader's open handle kept the owner's
+        pages, charged to the owner's quota, for as long as the reader liked."""
+        for session, handle in list(file.readers or ()):
+            if file.name is None or not (session.tenant in file.shared_with or "*" in file.shared_with):
+                session._revoke(handle)
 
     def acquire(self, file: KvFile) -> None:
         file.refs += 1
@@ -591,6 +600,7 @@ class KvSession:
         self.max_handles = max_handles
         self._handles: dict[int, _Handle] = {}
         self._next_handle = 1
+        self._revoked: set[int] = set()  # handles to shared files that their owner took back
 
     def _add(self, file: KvFile, writable: bool) -> int:
         if len(self._handles) >= self.max_handles:
@@ -604,8 +614,15 @@ class KvSession:
     def _get(self, handle: int) -> _Handle:
         entry = self._handles.get(handle) if isinstance(handle, int) else None
         if entry is None:
+            if handle in self._revoked:
+                raise BadHandle(f"KV handle {handle} was closed: its owner stopped sharing or removed the file")
             raise BadHandle(f"KV handle {handle!r} is not open in this process")
         return entry
+
+    def _revoke(self, handle: int) -> None:
+        """Close a handle to another tenant's file for its owner (KVFS.revoke_readers)."""
+        self._revoked.add(handle)
+        self.close(handle)
 
     def file_of(self, handle: int, write: bool = False) -> KvFile:
         """The file behind a handle; `write` demands a writable handle."""
@@ -655,7 +672,10 @@ class KvSession:
                     raise FileNotFound(f"no KV file {path!r} is shared with tenant {self.tenant!r}")
                 if not flags & OpenFlags.READ_ONLY:
                     raise PermissionDenied(f"{path!r} is shared read-only: open it with READ_ONLY")
-                return self._add(file, writable=False)
+                handle = self._add(file, writable=False)
+                file.readers = file.readers or {}
+                file.readers[(self, handle)] = None
+                return handle
             if file is not None:
                 if flags & OpenFlags.CREATE and flags & OpenFlags.EXCLUSIVE:
                     raise FileExists(f"KV file {path!r} already exists")
@@ -717,10 +737,13 @@ class KvSession:
         with self.fs.lock:
             entry = self._get(handle)
             del self._handles[handle]
+            if entry.file.readers:
+                entry.file.readers.pop((self, handle), None)
             self.fs.release(entry.file)
 
     def remove(self, path: str) -> None:
-        """Remove a name; the file lives on while handles to it are open."""
+        """Remove a name; the file lives on while the owner's handles to it are open (other
+        tenants' are closed)."""
         with self.fs.lock:
             owner, name = _split_path(self.tenant, path)
             if owner != self.tenant:
@@ -731,6 +754,8 @@ class KvSession:
             self.fs._unlink(file)
             if file.refs == 0:
                 self.fs._free_file(file)
+            else:
+                self.fs.revoke_readers(file)  # the last release frees it
 
     def set_hints(self, handle: int, **hints) -> None:
         """Set eviction hints (see EvictionHints) on the file behind a writable handle."""
@@ -747,12 +772,14 @@ class KvSession:
             file.last_used = self.fs.clock()
 
     def share(self, path: str, tenants: list[str]) -> None:
-        """Share an own named file read-only with `tenants` ("*": everyone); [] un-shares."""
+        """Share an own named file read-only with `tenants` ("*": everyone); [] un-shares. The
+        handles of tenants it is no longer shared with are closed."""
         with self.fs.lock:
             file = self.fs._names.get((self.tenant, _validate_name(path)))
             if file is None:
                 raise FileNotFound(f"no KV file named {path!r}")
             file.shared_with = frozenset(t if t == "*" else _validate_name(t) for t in tenants)
+            self.fs.revoke_readers(file)
 
     def stat(self, handle_or_path: int | str) -> FileStat:
         with self.fs.lock:

@@ -255,6 +255,31 @@ def test_tenants_are_isolated_and_can_share_read_only(fs):
     alice.remove("docs/intro")
 
 
+def test_the_owner_takes_a_shared_file_back_from_readers_holding_it_open(fs):
+    """A reader's open handle kept the owner's pages, charged to the owner's quota, after the
+    owner stopped sharing the file and even removed it. Un-sharing closes the handles of the
+    tenants it is no longer shared with; removing closes every other tenant's."""
+    fs.page_quota["alice"] = 4
+    alice, bob, carol = fs.session("alice"), fs.session("bob"), fs.session("carol")
+    h = alice.open("docs/intro", OpenFlags.CREATE)
+    write(fs, alice, h, 16)  # the whole quota
+    alice.close(h)
+    alice.share("docs/intro", ["bob", "carol"])
+    by_bob = bob.open("@alice/docs/intro", OpenFlags.READ_ONLY)
+    by_carol = carol.open("@alice/docs/intro", OpenFlags.READ_ONLY)
+    alice.share("docs/intro", ["carol"])  # bob's handle goes, carol's stays
+    with pytest.raises(BadHandle, match="its owner stopped sharing or removed the file"):
+        bob.len(by_bob)
+    assert carol.len(by_carol) == 16 and bob.open_handles == 0
+    alice.remove("docs/intro")
+    with pytest.raises(BadHandle, match="its owner stopped sharing or removed the file"):
+        carol.len(by_carol)
+    assert fs.pages_of("alice") == 0  # freed: alice may use her quota again
+    h = alice.create()
+    write(fs, alice, h, 16)
+    alice.close_all()
+
+
 def test_handle_limit(fs):
     kv = fs.session(max_handles=2)
     kv.create(), kv.create()

@@ -196,7 +196,7 @@ impl Kv {
     pub fn cache_prefix(&self) -> Result<usize> {
         check(unsafe { sys::kv_cache_prefix(self.0) }).map(|n| n as usize)
     }
-    /// Removes a name (the file lives while handles remain open).
+    /// Removes a name (the file lives while the owner's handles remain open; other tenants' are closed).
     pub fn remove(path: &str) -> Result<()> {
         check(unsafe { sys::kv_remove(path.as_ptr(), path.len() as i32) }).map(drop)
     }
