@@ -260,9 +260,11 @@ class Engine:
             now = kvfs.clock()
             for request, _, error in outcomes:
                 file = request.file
-                if error is not None and request.length_before is not None:
-                    # Undo the chunks already appended: a failed pred leaves the file as it was.
-                    kvfs.shrink(file, request.length_before)
+                if error is not None:
+                    file.failed_preds += 1
+                    if request.length_before is not None:
+                        # Undo the chunks already appended: a failed pred leaves the file as it was.
+                        kvfs.shrink(file, request.length_before)
                 file.inflight -= 1
                 kvfs.release(file, now)
         counters = self._counters

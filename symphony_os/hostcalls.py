@@ -50,16 +50,6 @@ class Block:
     args: tuple = ()
 
 
-@dataclass(slots=True)
-class Ticket:
-    request: PredRequest
-    want: Want
-
-    @property
-    def future(self) -> PredFuture:
-        return self.request.future
-
-
 def _signature_of(func) -> int:
     return func.__code__.co_argcount - 2  # minus self and memory
 
@@ -74,7 +64,7 @@ class HostCalls:
         self.process = process
         self.engine = process.engine
         self.kv = process.kv
-        self.tickets: dict[int, Ticket] = {}
+        self.tickets: dict[int, PredRequest] = {}  # pred_submit tickets not yet waited for
         self._next_ticket = 1
         self.prefix_cache = PrefixCache(self.kv.fs)
         self.prefix_files: dict[int, TrackedFile] = {}  # handles from kv_open_prefix
@@ -259,7 +249,7 @@ class HostCalls:
         request = self._queue(kv, tokens, positions, want)
         ticket = self._next_ticket
         self._next_ticket += 1
-        self.tickets[ticket] = Ticket(request, want)
+        self.tickets[ticket] = request
         return ticket
 
     def _queue(self, kv: int, tokens: list[int], positions: list[int] | None, want: Want) -> PredRequest:
@@ -273,10 +263,8 @@ class HostCalls:
         if isinstance(want, Distribution):
             self._check_distribution_bytes()
         request = self.engine.submit_request(self.kv, kv, tokens, positions, want)
-        tracked = self.prefix_files.get(kv)
-        if tracked is not None:
-            tracked.ids.extend(tokens)
-            request.future.add_done_callback(tracked.note_outcome)
+        if kv in self.prefix_files:
+            self.prefix_files[kv].ids.extend(tokens)
         return request
 
     def _check_distribution_bytes(self) -> None:

@@ -9,8 +9,9 @@ Positions: every token's KV was computed at a RoPE position. Writes must continu
 gaps: a non-empty file takes exactly `next_position, next_position + 1, ...`; an empty file may
 start anywhere. Files built by `merge` keep each part's positions (Prompt-Cache-style reuse).
 
-Memory: when the pool runs short, KVFS evicts closed named files (lowest priority first, then
-least recently used; pinned files and files inside their keep-for window are spared), then
+Memory: when the pool runs short, KVFS evicts closed named files (from the tenant holding the
+most pages first; within a tenant, lowest priority first, then least recently used; pinned
+files and files inside their keep-for window are spared), then
 swaps pages of open files that the current batch does not use to host memory, and only then
 refuses with `PoolExhausted`.
 
@@ -71,9 +72,11 @@ class EvictionHints:
     """How the owner wants a file treated under memory pressure.
 
     pinned: never evicted or swapped by the system.
-    keep_for_s: not evicted for this many seconds after its last use; after that it goes first.
+    keep_for_s: not evicted for this many seconds after its last use; after that it goes first
+        among its tenant's files.
     drop_on_close: a named file that is removed when its last handle closes.
-    priority: among evictable files, lower priority goes first (then least recently used).
+    priority: among its tenant's evictable files, lower priority goes first (then least
+        recently used). Across tenants, the one holding the most pages gives first.
     """
 
     pinned: bool = False
@@ -103,7 +106,7 @@ class KvFile:
 
     __slots__ = (
         "file_id", "name", "owner", "pages", "length", "runs", "refs", "inflight",
-        "hints", "last_used", "shared_with", "host_pages", "readers",
+        "hints", "last_used", "shared_with", "host_pages", "readers", "failed_preds",
     )
 
     def __init__(self, file_id: int, owner: str, name: str | None, now: float):
@@ -122,6 +125,7 @@ class KvFile:
         self.last_used = now
         self.shared_with: frozenset[str] = frozenset()
         self.readers: dict[tuple[KvSession, int], None] | None = None  # other tenants' handles
+        self.failed_preds = 0  # preds on it that failed (and were rolled back)
 
     @property
     def next_position(self) -> int:

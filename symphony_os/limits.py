@@ -45,7 +45,7 @@ class ProcessLimits:
     fuel: int | None = None  # wasm instructions (roughly), when the runtime consumes fuel
     hostcalls_per_s: int = 200_000  # calls over this in one second are refused (LIMIT_EXCEEDED)
     output_bytes: int = 256 * 2**20  # bytes sent to the user plus stdout/stderr
-    kv_pages: int | None = None  # distinct pages in the KV files the process holds open
+    kv_pages: int | None = None  # distinct pages in the KV files the process holds open or its preds write
     kv_handles: int = 4096  # open KV handles
     preds_in_flight: int = 256  # preds submitted and not yet waited for (parallel branches)
     # host memory in next-token distributions: kind-0 preds in flight plus a Python guest's live
@@ -112,17 +112,21 @@ def check_kv_pages(process: "Process", handle: int | None = None, tokens: int = 
     limit = process.limits.kv_pages
     if limit is None:
         return
-    coming: dict = {}  # file -> tokens still to be appended to it
-    for ticket in process.hostcalls.tickets.values():
-        request = ticket.request
-        if not request.future.done():
-            coming[request.file] = coming.get(request.file, 0) + request.remaining
-    if handle is not None:
-        file = process.kv.file_of(handle)
-        coming[file] = coming.get(file, 0) + tokens
-    page_size = process.engine.pool.page_size
-    more = sum(max(0, -(-(file.length + n) // page_size) - len(file.pages)) for file, n in coming.items())
-    held = process.kv.pages_held(also=coming)
+    kv = process.kv
+    with kv.fs.lock:  # the engine reserves slots (and sets length_before) under it
+        final: dict = {}  # file -> its length once its preds in flight and `tokens` are appended
+        for request in process.hostcalls.tickets.values():  # in the order they were submitted
+            if not request.future.done():
+                file = request.file
+                if file not in final:  # the earliest not done on its file: the one that may have started
+                    final[file] = file.length if request.length_before is None else request.length_before
+                final[file] += len(request.tokens)
+        if handle is not None:
+            file = kv.file_of(handle)
+            final[file] = final.get(file, file.length) + tokens
+        page_size = process.engine.pool.page_size
+        more = sum(max(0, -(-length // page_size) - len(file.pages)) for file, length in final.items())
+        held = kv.pages_held(also=final)
     if held + more > limit:
         raise LimitExceeded(f"KV page limit per process: its files hold {held} of {limit} pages, "
                             f"{more} more needed by its preds")

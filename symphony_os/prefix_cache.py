@@ -10,7 +10,7 @@ number of prompts that share it. The owner is `<tenant>:prefix`, a name no tenan
 list, overwrite or remove it; its pages count against the tenant's `max_kv_pages`, and when
 the tenant is at its quota KVFS evicts the tenant's own least recently used blocks first
 (kvfs.KVFS._within_quota). Being closed named files, blocks are also evicted by KVFS like any
-other under memory pressure: least recently used first.
+other under memory pressure: the tenant's least recently used first (kvfs.KVFS._reclaim).
 
 Only the host writes the cache, and only tokens it saw being appended: a guest opens a file
 with `open_longest` (the longest cached prefix of the ids it passes, forked), the host records
@@ -45,17 +45,10 @@ def page_keys(ids: list[int], page_size: int) -> list[str]:
 
 @dataclass
 class TrackedFile:
-    """A file opened by `open_longest`: the token ids it holds, as far as the host saw. A pred
-    that failed took its tokens out of the file again, but not out of `ids`, and a later one
-    may have appended others: from then on the ids are not the file's, and it is never cached."""
+    """A file opened by `open_longest`: the token ids it holds, as far as the host saw (the
+    ids of every pred queued on it; `offer` refuses a file on which one failed)."""
 
     ids: list[int] = field(default_factory=list)
-    failed: bool = False
-
-    def note_outcome(self, future) -> None:
-        """A pred on the file is done (PredFuture's callback, on the engine's thread)."""
-        if future.exception() is not None:
-            self.failed = True
 
 
 class PrefixCache:
@@ -90,7 +83,7 @@ class PrefixCache:
         with fs.lock:
             file = session.file_of(handle)
             refuse_busy(file, "caching its prefix")
-            if tracked.failed:
+            if file.failed_preds:  # its tokens left the file again, not `ids`; a later pred's took their place
                 raise InvalidArgument("a pred on this file failed: the tokens it holds are not known, so it "
                                       "cannot be cached")
             if file.length != len(tracked.ids) or (file.length and file.runs != [(0, 0)]):

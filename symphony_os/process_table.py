@@ -195,8 +195,9 @@ class ProcessTable:
         (an ended process's exit frame again, if a client took it before)."""
         if record.attached:
             raise AlreadyAttached(f"process {record.pid} already has a client attached; detach it first")
-        if record.exit_delivered:
+        if record.exit_delivered:  # taken by a client before: again, once (delivered when taken)
             record.frames.push(record.exit_frame)
+            record.exit_delivered = False
         record.attached = True
         record.unattended_since = None
         return record.frames

@@ -110,21 +110,33 @@ class BatchScheduler:
             return BatchPlan(chunks)
         # Prefills: with several tenants waiting, each first gets a share of the budget for its
         # earliest request (a tenant's long prompts queued first held the others' short ones
-        # back for their whole length); then the rest of the budget goes in arrival order.
+        # back for their whole length); then the rest of the budget goes in arrival order, a
+        # request that had a share growing its chunk.
         share = max(1, budget // len(prefill_owners)) if len(prefill_owners) > 1 else None
+        shared: dict[int, ScheduledChunk] = {}  # id(request) -> its chunk from the shares
         for per_owner in ((True, False) if share else (False,)):
             skipped_files, served = set(), set()
             for request in self.waiting.values():
-                if budget == 0 or room == 0:
+                if budget == 0:
                     break
-                file_id, remaining = request.file.file_id, request.remaining
-                owner = request.file.owner
-                if (remaining == 1 or file_id in busy_files or file_id in skipped_files
+                remaining = request.remaining
+                chunk = shared.get(id(request)) if not per_owner else None
+                if chunk is not None:
+                    more = min(remaining - chunk.count, budget)
+                    chunk.count += more
+                    chunk.is_last = chunk.count == remaining
+                    budget -= more
+                    continue
+                file_id, owner = request.file.file_id, request.file.owner
+                if (room == 0 or remaining == 1 or file_id in busy_files or file_id in skipped_files
                         or (per_owner and owner in served)):
                     skipped_files.add(file_id)
                     continue
                 count = min(remaining, budget, share) if per_owner else min(remaining, budget)
-                chunks.append(ScheduledChunk(request, request.done, count, count == remaining))
+                chunk = ScheduledChunk(request, request.done, count, count == remaining)
+                chunks.append(chunk)
+                if per_owner:
+                    shared[id(request)] = chunk
                 busy_files.add(file_id)
                 served.add(owner)
                 budget -= count

@@ -63,7 +63,7 @@ def test_prefill_budget_is_shared_among_tenants_before_arrival_order_fills_it():
     short, decode = request(10, 20, "other"), request(11, 1, "hog")
     for r in (*hog, short, decode):
         s.add(r)
-    assert plan_of(s) == [(decode, 0, 1), (hog[0], 0, 255), (short, 0, 20), (hog[1], 0, 236)]
+    assert plan_of(s) == [(decode, 0, 1), (hog[0], 0, 491), (short, 0, 20)]
 
 
 def test_one_tenant_alone_is_served_in_arrival_order_as_before():
@@ -76,7 +76,8 @@ def test_one_tenant_alone_is_served_in_arrival_order_as_before():
 
 def test_the_shares_keep_a_files_requests_in_order():
     """A tenant whose share went to one file's request does not, in the shared round, get a
-    later request of a file whose earlier request it skipped."""
+    later request of a file whose earlier request it skipped; the rest of the budget then
+    grows the chunks of the shares first, in arrival order."""
     s = BatchScheduler(token_budget=100)
     file_a, file_b = KvFile(1, "t", None, 0.0), KvFile(2, "t", None, 0.0)
     a1 = PredRequest(file_a, list(range(300)), None, Sample())
@@ -85,4 +86,12 @@ def test_the_shares_keep_a_files_requests_in_order():
     other = request(3, 10, "u")
     for r in (a1, b1, a2, other):
         s.add(r)
-    assert plan_of(s) == [(a1, 0, 50), (other, 0, 10), (b1, 0, 40)]
+    assert plan_of(s) == [(a1, 0, 90), (other, 0, 10)]
+
+
+def test_the_rest_of_the_budget_grows_a_shared_chunk_rather_than_being_left():
+    s = BatchScheduler(token_budget=512)
+    long, short = request(1, 1000, "a"), request(2, 10, "b")
+    for r in (long, short):
+        s.add(r)
+    assert plan_of(s) == [(long, 0, 502), (short, 0, 10)]

@@ -337,6 +337,22 @@ def test_a_client_leaving_while_the_exit_frame_is_sent_leaves_it_for_the_next(se
     assert first[-1]["type"] == "exit" and second == [first[-1]]
 
 
+def test_an_exit_frame_given_again_is_queued_once_however_often_clients_come_and_vanish(served, alice):
+    table = served.app.state.symphony.table
+    grace_s, table.grace_s = table.grace_s, 60.0
+    try:
+        pid = alice.launch(alice.upload(ECHO, "echo")["sha256"], detached=True)["pid"]
+        alice.kill(pid)
+        assert [f["type"] for f in alice.attach(pid)][-1] == "exit"  # taken: delivered
+        record = table.records[pid]
+        for _ in range(3):  # a client attaches and vanishes before taking it
+            frames = table.attach(record)
+            table.detach(record, on_purpose=False)
+        assert len(frames) == 1
+    finally:
+        table.grace_s = grace_s
+
+
 def test_input_is_refused_past_the_inbox_limit_and_after_the_end(served, alice):
     pid = alice.launch(alice.upload(SPIN, "spin")["sha256"])["pid"]  # never reads its input
     stream = alice.attach(pid)

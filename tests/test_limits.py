@@ -1,0 +1,44 @@
+"""The per-process KV page limit's accounting (limits.check_kv_pages), against the engine's own
+steps: a pred queued, then running (its slots reserved, the forward pass not yet done), then done."""
+from types import SimpleNamespace
+
+import pytest
+
+from symphony_os.errors import LimitExceeded
+from symphony_os.kvfs import KVFS
+from symphony_os.limits import check_kv_pages
+from symphony_os.pool import KVPool
+from symphony_os.sampling import GREEDY
+from symphony_os.scheduler import PredRequest
+
+
+def test_a_pred_in_flight_counts_once_while_queued_running_and_done():
+    """The running pred's tokens are in the file's length (reserved) but not yet in its `done`
+    (counted after the forward pass): they were counted twice then, and a process near its
+    limit was refused at random while an earlier pred ran."""
+    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=64, page_size=4)
+    fs = KVFS(pool)
+    kv = fs.session("t")
+    handle = kv.create()
+    request = PredRequest(kv.take_for_pred(handle), list(range(16)), None, GREEDY)  # 4 pages
+    process = SimpleNamespace(limits=SimpleNamespace(kv_pages=5), kv=kv, engine=SimpleNamespace(pool=pool),
+                              hostcalls=SimpleNamespace(tickets={1: request}))
+    check_kv_pages(process, handle, 4)  # queued: 4 pages, and 1 for 4 tokens more
+    with pytest.raises(LimitExceeded, match="its files hold 0 of 5 pages, 6 more needed"):
+        check_kv_pages(process, handle, 5)
+    with fs.lock:  # Engine._prepare: the first chunk's slots are reserved
+        request.length_before = request.file.length
+        fs.reserve_slots(request.file, list(range(8)))
+    check_kv_pages(process, handle, 4)  # running: the same 5 pages
+    request.done = 8
+    with fs.lock:
+        fs.reserve_slots(request.file, list(range(8, 16)))
+    check_kv_pages(process, handle, 4)
+    request.done = 16
+    request.future.set_result(None)  # done: its tokens are the file's now
+    check_kv_pages(process, handle, 4)
+    with pytest.raises(LimitExceeded, match="its files hold 4 of 5 pages, 2 more needed"):
+        check_kv_pages(process, handle, 5)
+    request.file.inflight -= 1
+    fs.release(request.file)
+    kv.close_all()
