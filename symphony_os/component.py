@@ -707,7 +707,8 @@ class ComponentLinker:
             for name in ("subscribe-duration", "subscribe-instant"):
                 name_bytes = name.encode()
                 error = ffi.wasmtime_component_linker_instance_add_func(
-                    clock.ptr(), ctypes.create_string_buffer(name_bytes), len(name_bytes), _refuse_timer, 0, _forget_nothing)
+                    clock.ptr(), ctypes.create_string_buffer(name_bytes), len(name_bytes), _refuse_timer, 0,
+                    _forget_nothing)
                 if error:
                     raise wasmtime.WasmtimeError._from_ptr(error)
         self.linker.allow_shadowing = False

@@ -482,8 +482,8 @@ class KVFS:
         """Free pages: evict closed named files, then swap unprotected open files to host.
         Files are evicted from the tenant (quota account) holding the most pages first, each
         tenant's in the order its hints give (past keep-for, lowest priority, least recently
-        used): one order across tenants let a tenant's hints shield its files from another's
-        pressure, as many as the pool holds."""
+        used), and swapped likewise: one order across tenants let a tenant's hints shield its
+        files from another's pressure, as many as the pool holds."""
         target = self.pool.free_pages + pages_needed
         now = self.clock()
         victims: dict[str, deque[KvFile]] = {}  # account -> its files, the first to go first
@@ -500,14 +500,21 @@ class KVFS:
             self.evicted_files += 1
         if self.pool.free_pages >= target:
             return
-        swappable = sorted(
-            (
-                f for f in self._files.values()
-                if f.refs and not f.hints.pinned and f.file_id not in self._protected
-            ),
-            key=lambda f: (f.hints.priority, f.last_used),
-        )
-        for file in swappable:
+        # Then pages of open files go to host memory, the same way: from the tenant with the
+        # most of their pages in the pool first, each tenant's files in its hints' order.
+        swappable: dict[str, deque[KvFile]] = {}
+        resident: dict[str, int] = {}  # account -> pages of its swappable files in the pool
+        protected = self._protected
+        open_files = (f for f in self._files.values() if f.refs and not f.hints.pinned and f.file_id not in protected)
+        for file in sorted(open_files, key=lambda f: (f.hints.priority, f.last_used)):
+            account = quota_account(file.owner)
+            swappable.setdefault(account, deque()).append(file)
+            resident[account] = resident.get(account, 0) + len(file.pages) - file.host_pages
+        while swappable:
+            account = max(swappable, key=resident.__getitem__)
+            file = swappable[account].popleft()
+            if not swappable[account]:
+                del swappable[account]
             for i, page in enumerate(file.pages):
                 if self.pool.free_pages >= target or not self.pool.swap_room:
                     return
@@ -516,6 +523,7 @@ class KVFS:
                     file.host_pages += 1
                     self._count_pages(file, added=[file.pages[i]], removed=[page])
                     self.swapped_out_pages += 1
+                    resident[account] -= 1
 
     @staticmethod
     def _evictable(file: KvFile, now: float) -> bool:

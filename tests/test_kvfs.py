@@ -370,6 +370,22 @@ def test_pool_pressure_swaps_open_files_and_swaps_them_back(fs):
     kv.close_all()
 
 
+def test_pool_pressure_swaps_from_the_tenant_with_the_most_pages_in_the_pool_first(fs):
+    """As for eviction: a tenant's priority orders its own open files only. (One order across
+    tenants swapped another tenant's small file out first because it had the lower priority.)"""
+    alice, bob, carol = fs.session("alice"), fs.session("bob"), fs.session("carol")
+    big = alice.create()
+    write(fs, alice, big, 36)  # 9 pages
+    alice.set_hints(big, priority=2**31 - 1)
+    small = bob.create()
+    write(fs, bob, small, 8)  # 2 pages: 11 of 16 used
+    h = carol.create()
+    write(fs, carol, h, 28)  # 7 pages: 2 must go to host memory, and they are alice's
+    assert alice.stat(big).swapped_pages == 2 and bob.stat(small).swapped_pages == 0
+    for kv in (alice, bob, carol):
+        kv.close_all()
+
+
 def test_swapping_to_host_memory_stops_at_max_swapped(fs):
     """Open files past the pool go to host memory only up to pool.max_swapped pages: past it
     an allocation fails with PoolExhausted (nothing half done), not with the host's memory."""
