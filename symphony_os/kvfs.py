@@ -12,7 +12,8 @@ start anywhere. Files built by `merge` keep each part's positions (Prompt-Cache-
 Memory: when the pool runs short, KVFS evicts closed named files (from the tenant holding the
 most pages first; within a tenant, lowest priority first, then least recently used; pinned
 files and files inside their keep-for window are spared), then swaps pages of open files that
-the current batch does not use to host memory, and only then refuses with `PoolExhausted`.
+the current batch does not use to host memory (in the same order), and only then refuses with
+`PoolExhausted`.
 
 Sharing between tenants: a file's owner may share it read-only with named tenants, who open it
 as `@owner/path` with `OpenFlags.READ_ONLY`.
