@@ -117,7 +117,7 @@ class BatchScheduler:
         for per_owner in ((True, False) if share else (False,)):
             skipped_files, served = set(), set()
             for request in self.waiting.values():
-                if budget == 0:
+                if budget == 0 or (room == 0 and not shared):
                     break
                 remaining = request.remaining
                 chunk = shared.get(id(request)) if not per_owner else None
