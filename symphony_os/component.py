@@ -769,6 +769,7 @@ class ComponentProcess(Process):
     is its exit code."""
 
     __slots__ = ("component_calls", "_log_failure_logged")
+    POLLS_TO_RESUME = 2  # the first only finishes the blocking call (Process._advance)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

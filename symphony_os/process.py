@@ -54,6 +54,7 @@ class Process:
                  "_input_closed", "_kill_reason", "ended", "cpu_time_s", "usage", "hostcalls", "store",
                  "_renew_time_slice", "_fiber", "_instantiating", "_memory", "memory", "_blocked", "wake",
                  "_woken_by_pred", "__weakref__")
+    POLLS_TO_RESUME = 1  # polls that run the guest on after its blocking call is answered
 
     def __init__(self, program: Program, args: list[str], env: dict[str, str], engine, kv_session,
                  linker: AsyncLinker, limits: ProcessLimits,
@@ -233,15 +234,15 @@ class Process:
             resumed = True
         fiber = self._fiber
         finished = fiber.poll()  # True at once for a fiber that is done
-        if not finished and resumed and self._blocked is None:
+        if not finished and resumed and self._blocked is None and self.POLLS_TO_RESUME == 2:
             # A component's first poll after a blocking call only finishes that call (measured);
-            # the second runs the guest on. A core module's first poll runs on at once.
+            # the second runs the guest on. A core module's first poll runs on at once (a
+            # second would give it two time slices while the next batch waits for it).
             finished = fiber.poll()
         if not finished:
-            if self._blocked is not None:
-                return "waiting"
-            # Async instantiation also returns to the poller before it is done.
-            return "continue" if self._instantiating else "preempted"
+            # Blocked, or out of its time slice (instantiation too: a start function that
+            # computes holds no batch back, or every process's preds waited for it to end).
+            return "waiting" if self._blocked is not None else "preempted"
         if self._kill_reason is not None:  # asked for while it ran (past its output limit, say)
             self._end(ProcessState.KILLED, EXIT_KILLED, self._kill_reason)
         elif fiber.exit_code is not None:

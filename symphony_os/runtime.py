@@ -8,6 +8,7 @@ back on their worker's ready queue.
 """
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from pathlib import Path
@@ -114,7 +115,18 @@ class Worker:
         # CPU time: the thread's, read once per round (0.5 us a read here), shared among
         # the processes in proportion to the wall time each took.
         cpu_started, walls, clock = time.thread_time(), [], time.perf_counter
-        for process, _ in batch:
+        if self._round_urgent and any(preempted for _, preempted in batch):
+            # The woken first; then the next batch need not wait for the slices of guests that
+            # only compute (it did, one slice each, for every token of every other process).
+            batch.sort(key=lambda entry: entry[1])
+            release_at = next(i for i, (_, preempted) in enumerate(batch) if preempted)
+        else:
+            release_at = None
+        for index, (process, _) in enumerate(batch):
+            if index == release_at:
+                with self._lock:
+                    self._round_urgent = False
+                self.driver.round_done()
             started = clock()
             outcome = process.advance()
             walls.append(clock() - started)
@@ -167,11 +179,20 @@ class BatchDriver:
 
     def run(self, until=lambda: False) -> None:
         """Run batches (and the rounds of thread-less workers) on this thread until `stop()`
-        or `until()` is true."""
+        or `until()` is true. On the main thread, Ctrl-C is raised between rounds: raised
+        inside a guest's host call (a ctypes callback), it left wasmtime without the call's
+        answer, and wasmtime aborted the process ("callback must be set")."""
         self.driving_thread = threading.get_ident()
         here = [worker for worker in self.workers if worker.thread is None]
+        interrupted: list[int] = []
+        deferring = (threading.current_thread() is threading.main_thread()
+                     and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        if deferring:
+            signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum))
         try:
             while True:
+                if interrupted:
+                    raise KeyboardInterrupt
                 ran = False
                 for worker in here:
                     ran = worker.run_ready() or ran
@@ -187,6 +208,8 @@ class BatchDriver:
                     worker.kick()
         finally:
             self.driving_thread = None
+            if deferring:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def stop(self) -> None:
         with self._cond:

@@ -164,12 +164,17 @@ def test_64_concurrent_hellos_print_what_they_print_alone(stories_engine):
 
 
 SPIN = wat('(module (memory (export "memory") 1) (func (export "_start") (loop $l (br $l))))')
+# The loop in a start function, while the module is instantiated: it held every other
+# process's preds back until its CPU time limit ended it (600 s by default).
+SPIN_AT_START = wat('(module (memory (export "memory") 1) (start $s) (func $s (loop $l (br $l))) '
+                    '(func (export "_start")))')
 
 
+@pytest.mark.parametrize("spin", [SPIN, SPIN_AT_START], ids=["in _start", "in a start function"])
 @pytest.mark.parametrize("drive_in_caller", [False, True])
-def test_infinite_loop_is_preempted_and_kill_stops_it(stories_engine, drive_in_caller):
+def test_infinite_loop_is_preempted_and_kill_stops_it(stories_engine, drive_in_caller, spin):
     with Runtime(stories_engine, drive_in_caller=drive_in_caller) as runtime:
-        spinner = runtime.spawn(runtime.load(SPIN, "spin"))
+        spinner = runtime.spawn(runtime.load(spin, "spin"))
         out, _, _ = run_lip(runtime, "hello", ["Once upon a time", "10"])
         assert out == hello_via_api(stories_engine, "Once upon a time", 10)
         assert spinner.state == ProcessState.RUNNABLE
@@ -303,6 +308,29 @@ def test_symphony_run_into_a_closed_pipe_ends_the_program_quietly(stories_path):
     assert b"Traceback" not in stderr and b"failed" not in stderr, stderr.decode()
     tokens = int(re.search(rb"tokens (\d+)", stderr).group(1))
     assert tokens < 100  # it stopped at the first send nobody read, far short of 400
+
+
+def test_ctrl_c_during_symphony_run_ends_it_without_aborting(stories_path, tmp_path):
+    """Ctrl-C raised inside a guest's host call (a ctypes callback) left wasmtime without the
+    call's answer: it aborted the process ("callback must be set", exit -6), in half the runs
+    of a guest looping on a host call. The interrupt now waits for the end of the round."""
+    busy = tmp_path / "busy.wasm"
+    busy.write_bytes(wat('''(module
+      (import "symphony" "pred_wait" (func $wait (param i32 i32 i32) (result i32)))
+      (import "symphony" "send" (func $send (param i32 i32) (result i32)))
+      (memory (export "memory") 1) (data (i32.const 0) "go\\n")
+      (func (export "_start") (drop (call $send (i32.const 0) (i32.const 3)))
+        (loop $l (drop (call $wait (i32.const 99) (i32.const 0) (i32.const 0))) (br $l))))'''))
+    symphony = Path(sys.executable).parent / "symphony"
+    for _ in range(3):
+        run = subprocess.Popen([str(symphony), "run", "--model", str(stories_path), str(busy)],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        assert run.stdout.read(3) == b"go\n"  # the guest is in its loop of host calls
+        run.send_signal(signal.SIGINT)
+        _, stderr = run.communicate(timeout=60)
+        assert run.returncode == 1 and b"Aborted!" in stderr, (run.returncode, stderr.decode()[-2000:])
+        assert b"panicked" not in stderr
 
 
 def distribution_guest(body: str) -> bytes:
