@@ -52,7 +52,7 @@ class Process:
     __slots__ = ("pid", "program", "args", "engine", "kv", "tools", "limits", "state", "exit_code", "end_reason",
                  "log", "_on_output", "_on_log", "_on_exit", "_inbox", "_inbox_bytes", "_inbox_lock",
                  "_input_closed", "_kill_reason", "ended", "cpu_time_s", "usage", "hostcalls", "store",
-                 "_renew_time_slice", "_fiber", "_instantiating", "_memory", "memory", "_blocked", "wake",
+                 "_renew_time_slice", "_fiber", "_fresh", "_instantiating", "_memory", "memory", "_blocked", "wake",
                  "_woken_by_pred", "__weakref__")
     POLLS_TO_RESUME = 1  # polls that run the guest on after its blocking call is answered
 
@@ -91,6 +91,7 @@ class Process:
         self._renew_time_slice = time_slice_renewer(self.store, limits.time_slice_ticks)
         self._fiber: Fiber | None = linker.start_instantiate(self.store, program.module, owner=self)
         self._instantiating = True
+        self._fresh = True  # a fiber not polled yet: its time slice starts at its first poll
         self._memory: wasmtime.Memory | None = None  # the guest's memory, once instantiated
         self.memory: GuestMemory | None = None  # checked access to it
         self._blocked: tuple[Block, Pending, HostCall] | None = None
@@ -233,6 +234,9 @@ class Process:
             self._renew_time_slice()
             resumed = True
         fiber = self._fiber
+        if self._fresh:  # the slice set at spawn (or by the instantiation) ran out in the rounds since
+            self._fresh = False
+            self._renew_time_slice()
         finished = fiber.poll()  # True at once for a fiber that is done
         if not finished and resumed and self._blocked is None and self.POLLS_TO_RESUME == 2:
             # A component's first poll after a blocking call only finishes that call (measured);
@@ -254,6 +258,7 @@ class Process:
         elif self._instantiating:
             self._instantiating = False
             self._fiber = self._main_fiber(fiber.result[0])
+            self._fresh = True
             return "continue"
         else:
             code = int(fiber.result[0]) if fiber.result else 0  # a component's run() returns it

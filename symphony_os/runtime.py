@@ -9,6 +9,7 @@ back on their worker's ready queue.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -182,14 +183,21 @@ class BatchDriver:
         or `until()` is true. On the main thread, Ctrl-C is raised between rounds: raised
         inside a guest's host call (a ctypes callback), it left wasmtime without the call's
         answer, and wasmtime aborted the process ("callback must be set")."""
-        self.driving_thread = threading.get_ident()
         here = [worker for worker in self.workers if worker.thread is None]
         interrupted: list[int] = []
+
+        def defer(signum, frame) -> None:
+            if interrupted:  # a second Ctrl-C while the first waits: at once, as Python would
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                raise KeyboardInterrupt
+            interrupted.append(signum)
+
         deferring = (threading.current_thread() is threading.main_thread()
                      and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
         if deferring:
-            signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum))
+            signal.signal(signal.SIGINT, defer)
         try:
+            self.driving_thread = threading.get_ident()
             while True:
                 if interrupted:
                     raise KeyboardInterrupt
@@ -208,8 +216,10 @@ class BatchDriver:
                     worker.kick()
         finally:
             self.driving_thread = None
-            if deferring:
+            if deferring and signal.getsignal(signal.SIGINT) is defer:  # not one installed meanwhile
                 signal.signal(signal.SIGINT, signal.default_int_handler)
+            if interrupted and sys.exc_info()[0] is None:  # it came in the last round or batch
+                raise KeyboardInterrupt
 
     def stop(self) -> None:
         with self._cond:

@@ -333,6 +333,37 @@ def test_ctrl_c_during_symphony_run_ends_it_without_aborting(stories_path, tmp_p
         assert b"panicked" not in stderr
 
 
+INTERRUPTED_IN_THE_LAST_ROUND = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[2])
+from guests import wat
+from symphony_os.engine import Engine
+from symphony_os.runtime import Runtime
+engine = Engine.from_path(sys.argv[1], device="cpu", page_size=16, num_pages=64)
+guest = wat('(module (import "symphony" "send" (func $send (param i32 i32) (result i32))) (memory (export "memory") 1) '
+            '(func (export "_start") (drop (call $send (i32.const 0) (i32.const 2)))))')
+with Runtime(engine, drive_in_caller=True) as runtime:
+    process = runtime.spawn(runtime.load(guest), on_output=lambda data: os.kill(os.getpid(), signal.SIGINT))
+    try:
+        print("returned", runtime.wait(process, 30))
+    except KeyboardInterrupt:
+        print("interrupted")
+    mine = lambda signum, frame: None
+    process = runtime.spawn(runtime.load(guest), on_output=lambda data: signal.signal(signal.SIGINT, mine))
+    runtime.wait(process, 30)
+    print("kept its handler", signal.getsignal(signal.SIGINT) is mine)
+"""
+
+
+def test_ctrl_c_in_the_last_round_is_not_lost_and_a_handler_set_meanwhile_stays(stories_path):
+    """The deferred Ctrl-C of a program's last round was swallowed (wait returned its exit
+    code), and a SIGINT handler installed while guests ran was reset to Python's default."""
+    run = subprocess.run([sys.executable, "-c", INTERRUPTED_IN_THE_LAST_ROUND, str(stories_path),
+                          str(Path(__file__).parent)], capture_output=True, text=True, timeout=120,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert run.stdout.split("\n")[:2] == ["interrupted", "kept its handler True"], (run.stdout, run.stderr[-2000:])
+
+
 def distribution_guest(body: str) -> bytes:
     """A WAT guest importing kv_create, pred and send, with tokens 5 and 7 at address 16 and 20,
     whose `_start` creates a KV file in $kv and then runs `body`."""
