@@ -705,12 +705,8 @@ class ComponentLinker:
         self.linker.allow_shadowing = True
         with self.linker.root() as root, root.add_instance(WASI_MONOTONIC_CLOCK) as clock:
             for name in ("subscribe-duration", "subscribe-instant"):
-                name_bytes = name.encode()
-                error = ffi.wasmtime_component_linker_instance_add_func(
-                    clock.ptr(), ctypes.create_string_buffer(name_bytes), len(name_bytes), _refuse_timer, 0,
-                    _forget_nothing)
-                if error:
-                    raise wasmtime.WasmtimeError._from_ptr(error)
+                _add_func(ffi.wasmtime_component_linker_instance_add_func, clock, name, _refuse_timer, 0,
+                          _forget_nothing)
         self.linker.allow_shadowing = False
         with self.linker.root() as root:
             for interface, calls in _INTERFACES.items():
@@ -725,14 +721,13 @@ class ComponentLinker:
     def _define(instance: wc.LinkerInstance, qualified_name: str, name: str, method, blocking: bool) -> None:
         key = next(_next_key)
         _FUNCTIONS[key] = _HostFunction(qualified_name, method)
-        name_bytes = name.encode()
         define, trampoline = ((ffi.wasmtime_component_linker_instance_add_func_async, _call_async) if blocking
                               else (ffi.wasmtime_component_linker_instance_add_func, _call_sync))
-        error = define(instance.ptr(), ctypes.create_string_buffer(name_bytes), len(name_bytes), trampoline, key,
-                       _forget_function)
-        if error:
+        try:
+            _add_func(define, instance, name, trampoline, key, _forget_function)
+        except wasmtime.WasmtimeError:
             _FUNCTIONS.pop(key, None)
-            raise wasmtime.WasmtimeError._from_ptr(error)
+            raise
 
     def start_instantiate(self, store: wasmtime.Store, component: wc.Component, owner: object = None) -> Fiber:
         """Instantiation as a fiber; `result` is [component Instance]."""
@@ -744,6 +739,15 @@ class ComponentLinker:
 
         return _new_fiber(store, owner, start, lambda: [wc.Instance._from_raw(instance)],
                           keep=(self.linker, component, instance))
+
+
+def _add_func(define, instance: wc.LinkerInstance, name: str, trampoline, key: int, finalizer) -> None:
+    """Define host function `name` in `instance` through wasmtime's C API (`define`: the sync
+    or async add_func), its callback data the integer `key`."""
+    name_bytes = name.encode()
+    error = define(instance.ptr(), ctypes.create_string_buffer(name_bytes), len(name_bytes), trampoline, key, finalizer)
+    if error:
+        raise wasmtime.WasmtimeError._from_ptr(error)
 
 
 def _new_fiber(store, owner, start, collect, keep) -> Fiber:

@@ -487,15 +487,12 @@ class KVFS:
         files from another's pressure, as many as the pool holds."""
         target = self.pool.free_pages + pages_needed
         now = self.clock()
-        victims: dict[str, deque[KvFile]] = {}  # account -> its files, the first to go first
-        evictable = (f for f in self._files.values() if self._evictable(f, now) and f.file_id not in self._protected)
-        for file in sorted(evictable, key=lambda f: (f.hints.keep_for_s is None, f.hints.priority, f.last_used)):
-            victims.setdefault(quota_account(file.owner), deque()).append(file)
-        while victims and self.pool.free_pages < target:
-            account = max(victims, key=lambda a: len(self._held.get(a, ())))
-            file = victims[account].popleft()
-            if not victims[account]:
-                del victims[account]
+        protected = self._protected
+        evictable = [f for f in self._files.values() if self._evictable(f, now) and f.file_id not in protected]
+        for _, file in _largest_first(evictable, lambda f: (f.hints.keep_for_s is None, f.hints.priority, f.last_used),
+                                      lambda account: len(self._held.get(account, ()))):
+            if self.pool.free_pages >= target:
+                return
             self._unlink(file)
             self._free_file(file)
             self.evicted_files += 1
@@ -503,19 +500,12 @@ class KVFS:
             return
         # Then pages of open files go to host memory, the same way: from the tenant with the
         # most of their pages in the pool first, each tenant's files in its hints' order.
-        swappable: dict[str, deque[KvFile]] = {}
+        swappable = [f for f in self._files.values() if f.refs and not f.hints.pinned and f.file_id not in protected]
         resident: dict[str, int] = {}  # account -> pages of its swappable files in the pool
-        protected = self._protected
-        open_files = (f for f in self._files.values() if f.refs and not f.hints.pinned and f.file_id not in protected)
-        for file in sorted(open_files, key=lambda f: (f.hints.priority, f.last_used)):
+        for file in swappable:
             account = quota_account(file.owner)
-            swappable.setdefault(account, deque()).append(file)
             resident[account] = resident.get(account, 0) + len(file.pages) - file.host_pages
-        while swappable:
-            account = max(swappable, key=resident.__getitem__)
-            file = swappable[account].popleft()
-            if not swappable[account]:
-                del swappable[account]
+        for account, file in _largest_first(swappable, lambda f: (f.hints.priority, f.last_used), resident.__getitem__):
             for i, page in enumerate(file.pages):
                 if self.pool.free_pages >= target or not self.pool.swap_room:
                     return
@@ -562,6 +552,20 @@ class KVFS:
     @property
     def file_count(self) -> int:
         return len(self._files)
+
+
+def _largest_first(files: list[KvFile], order, size) -> Iterator[tuple[str, KvFile]]:
+    """(quota account, file) pairs: the next file of the account whose `size(account)` is
+    largest now, each account's files in `order` (memory reclaim: see KVFS._reclaim)."""
+    queues: dict[str, deque[KvFile]] = {}
+    for file in sorted(files, key=order):
+        queues.setdefault(quota_account(file.owner), deque()).append(file)
+    while queues:
+        account = max(queues, key=size)
+        file = queues[account].popleft()
+        if not queues[account]:
+            del queues[account]
+        yield account, file
 
 
 def _append_runs(dst: KvFile, base: int, runs: list[tuple[int, int]]) -> None:

@@ -137,8 +137,8 @@ class BatchScheduler:
                 chunks.append(chunk)
                 if per_owner:
                     shared[id(request)] = chunk
+                    served.add(owner)
                 busy_files.add(file_id)
-                served.add(owner)
                 budget -= count
                 room -= 1
         return BatchPlan(chunks)

@@ -48,6 +48,8 @@ def read_wit(path: Path = WIT_PATH) -> tuple[list[WitFunction], list[str]]:
 
 COMPONENT_WIT_PATH = Path(__file__).resolve().parent.parent / "guest_sdk" / "python" / "wit" / "symphony.wit"
 PRIMITIVES = frozenset({"bool", "s8", "s16", "s32", "s64", "u8", "u16", "u32", "u64", "f32", "f64", "char", "string"})
+# A named type's definition: its kind, name and body (none for `resource name;`).
+TYPE_DEFINITION = re.compile(r"\b(enum|record|variant|flags|resource)\s+(%?[\w-]+)\s*(?:\{(.*?)\}|;)", re.S)
 
 
 def split_top(text: str) -> list[str]:
@@ -76,8 +78,7 @@ def component_signatures(path: Path = COMPONENT_WIT_PATH) -> dict[str, str]:
     interfaces = _interfaces(path)
     named: dict[str, dict[str, tuple[str, str]]] = {}  # interface -> type name -> (kind, body)
     for interface, body in interfaces.items():
-        named[interface] = {name.lstrip("%"): (kind, inner) for kind, name, inner in re.findall(
-            r"\b(enum|record|variant|flags|resource)\s+(%?[\w-]+)\s*(?:\{(.*?)\}|;)", body, re.S)}
+        named[interface] = {name.lstrip("%"): (kind, inner) for kind, name, inner in TYPE_DEFINITION.findall(body)}
     signatures = {}
     for interface, body in interfaces.items():
         scope = dict(named[interface])
@@ -123,8 +124,9 @@ def component_signatures(path: Path = COMPONENT_WIT_PATH) -> dict[str, str]:
         for name, (kind, inner) in named[interface].items():
             if kind == "resource" and inner:
                 for method, params, result in re.findall(func, inner):
-                    signatures[f"{interface}.[method]{name}.{method.lstrip('%')}"] = signature(params, result, this=name)
-        top_level = re.sub(r"\b(enum|record|variant|flags|resource)\s+%?[\w-]+\s*(\{.*?\}|;)", "", body, flags=re.S)
+                    key = f"{interface}.[method]{name}.{method.lstrip('%')}"
+                    signatures[key] = signature(params, result, this=name)
+        top_level = TYPE_DEFINITION.sub("", body)
         for name, params, result in re.findall(func, top_level):
             signatures[f"{interface}.{name.lstrip('%')}"] = signature(params, result)
     return signatures
