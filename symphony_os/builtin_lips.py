@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 SOURCES = Path(__file__).resolve().parent / "builtin"
-SDK = Path(__file__).resolve().parent.parent / "guest_sdk" / "c"
+# Through the package's link to guest_sdk/c: an installed wheel holds a copy there.
+SDK = Path(__file__).resolve().parent / "guest_sdk" / "c"
 
 
 class BuiltinBuildError(Exception):

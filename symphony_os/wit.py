@@ -46,7 +46,8 @@ def read_wit(path: Path = WIT_PATH) -> tuple[list[WitFunction], list[str]]:
     return functions, errors
 
 
-COMPONENT_WIT_PATH = Path(__file__).resolve().parent.parent / "guest_sdk" / "python" / "wit" / "symphony.wit"
+# Through the package's link to guest_sdk/python/wit: an installed wheel holds a copy there.
+COMPONENT_WIT_PATH = Path(__file__).resolve().parent / "guest_sdk" / "python" / "wit" / "symphony.wit"
 PRIMITIVES = frozenset({"bool", "s8", "s16", "s32", "s64", "u8", "u16", "u32", "u64", "f32", "f64", "char", "string"})
 # A named type's definition: its kind, name and body (none for `resource name;`).
 TYPE_DEFINITION = re.compile(r"\b(enum|record|variant|flags|resource)\s+(%?[\w-]+)\s*(?:\{(.*?)\}|;)", re.S)

@@ -1,0 +1,1 @@
+../../../guest_sdk/c/symphony.h
