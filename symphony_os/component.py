@@ -57,6 +57,25 @@ TIMER_REFUSED = (b"a LIP cannot sleep or wait on a timer (wasi:clocks/monotonic-
                  b"it would hold up the host's worker; wait on pred or recv instead")
 
 
+# A component's stdout and stderr, keyed by process (see ComponentProcess._wasi_config). wasmtime
+# writes them on its tokio threads, and drops the writer there too: with a finalizer (wasmtime-py's
+# stdout_custom registers one, in Python) a process dropped while the interpreter exited called
+# into Python from that thread, which Python 3.11 ends with pthread_exit, and Rust aborted the
+# host. So no finalizer: an entry leaves when its process is freed, and a write with none is dropped.
+_output_targets: dict[int, weakref.ref] = {}
+_output_keys = itertools.count(1)
+_NO_FINALIZER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)()  # a null function pointer
+
+
+@ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_void_p, ctypes.POINTER(ctypes.c_ubyte), ctypes.c_size_t)
+def _write_output(key, data, size):
+    target = _output_targets.get(key or 0)
+    process = target() if target is not None else None
+    if process is not None:
+        process._captured(ctypes.string_at(data, size))
+    return size
+
+
 # ---- loading ----
 
 def _engine_fingerprint(engine: wasmtime.Engine) -> str:
@@ -782,19 +801,13 @@ class ComponentProcess(Process):
 
     def _wasi_config(self, program, args, env) -> wasmtime.WasiConfig:
         wasi = super()._wasi_config(program, args, env)
-        # WASI preview 2 has no fd_write of ours to override: output streams call back. wasmtime-py
-        # keeps the callback in a global table until the store is freed, and the store is freed
-        # with this process: a callback holding the process would keep both alive forever
-        # (measured: 7 MB per ended process), so it holds only a weak reference.
-        process = weakref.ref(self)
-
-        def captured(data: bytes) -> None:
-            alive = process()
-            if alive is not None:
-                alive._captured(data)
-
-        wasi.stdout_custom = captured
-        wasi.stderr_custom = captured
+        # WASI preview 2 has no fd_write of ours to override: output streams call back, from
+        # wasmtime's tokio threads (see _write_output). The table holds the process weakly, so an
+        # ended process is freed (a strong reference kept both alive forever: 7 MB each).
+        key = next(_output_keys)
+        _output_targets[key] = weakref.ref(self, lambda _, key=key: _output_targets.pop(key, None))
+        for set_custom in (ffi.wasi_config_set_stdout_custom, ffi.wasi_config_set_stderr_custom):
+            set_custom(wasi.ptr(), _write_output, key, _NO_FINALIZER)
         return wasi
 
     def _captured(self, data: bytes) -> None:
