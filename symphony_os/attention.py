@@ -61,13 +61,14 @@ class TorchAttention:
         q_lens = torch.tensor(meta.query_lens, device=device)[:, None]
         query_index = torch.arange(max_q, device=device)[None, :]
         query_pos = ctx - q_lens + query_index  # [B, max_q] absolute index of each query row
-        mask = key_index[None, None, :] <= query_pos[:, :, None]
-        if meta.sliding_window:
-            mask &= key_index[None, None, :] > query_pos[:, :, None] - meta.sliding_window
+        causal = key_index[None, None, :] <= query_pos[:, :, None]
         # Padded query rows see key 0 only, so their softmax stays finite; their output is dropped.
         query_valid = query_index < q_lens
-        mask = torch.where(query_valid[:, :, None], mask, key_index[None, None, :] == 0)
-        meta.cache["mask"] = mask[:, None]  # [B, 1, max_q, key_len]
+        padded = ~query_valid[:, :, None] & (key_index[None, None, :] == 0)
+        meta.cache["mask"] = ((causal & query_valid[:, :, None]) | padded)[:, None]  # [B, 1, max_q, key_len]
+        if meta.sliding_window:  # for the layers that slide
+            window = causal & (key_index[None, None, :] > query_pos[:, :, None] - meta.sliding_window)
+            meta.cache["window_mask"] = ((window & query_valid[:, :, None]) | padded)[:, None]
         meta.cache["query_valid"] = query_valid.expand(num_seqs, -1)
         meta.cache["pages"] = meta.page_table.long().flatten()
 
@@ -77,7 +78,8 @@ class TorchAttention:
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, sliding: bool) -> torch.Tensor:
+        """`sliding`: this layer attends within meta.sliding_window (when the model has one)."""
         num_seqs, max_q = meta.num_seqs, meta.max_query_len
         pages = meta.cache["pages"]  # flat [B * max_pages]: index_select copies whole pages
         # [B, Hkv, max_pages * page_size, D]
@@ -91,7 +93,8 @@ class TorchAttention:
             queries[valid] = q
             queries = queries.transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=meta.cache["mask"], scale=scale,
+            queries, keys, values, attn_mask=meta.cache["window_mask" if sliding and meta.sliding_window else "mask"],
+            scale=scale,
             enable_gqa=queries.shape[1] != keys.shape[1],
         )
         if max_q == 1:
@@ -119,8 +122,8 @@ class TritonAttention:
     def store(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
-    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if meta.sliding_window and meta.max_context_len > meta.sliding_window:
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, sliding: bool) -> torch.Tensor:
+        if sliding and meta.sliding_window and meta.max_context_len > meta.sliding_window:
             raise NotImplementedError("the Triton kernels have no sliding window; use --attention torch")
         if meta.max_query_len == 1:
             return self._decode(q, k_cache, v_cache, meta.page_table, meta.context_lens, scale)

@@ -35,11 +35,19 @@ class ModelConfig:
     tie_word_embeddings: bool
     hidden_act: str = "silu"
     sliding_window: int | None = None
+    # Layers that attend to the whole context although the model has a window (Qwen2/3 slide only
+    # the layers their config's layer_types marks; Mistral slides every layer).
+    full_attention_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, config) -> "ModelConfig":
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         use_window = getattr(config, "use_sliding_window", True)  # Qwen2 keeps a window it does not use
+        window = (getattr(config, "sliding_window", None) or None) if use_window else None
+        layer_types = (getattr(config, "layer_types", None) or ()) if window else ()
+        full_layers = tuple(i for i, kind in enumerate(layer_types) if kind != "sliding_attention")
+        if len(full_layers) == config.num_hidden_layers:
+            window, full_layers = None, ()
         return cls(
             model_type=config.model_type,
             vocab_size=config.vocab_size,
@@ -53,7 +61,8 @@ class ModelConfig:
             max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             hidden_act=config.hidden_act,
-            sliding_window=(getattr(config, "sliding_window", None) or None) if use_window else None,
+            sliding_window=window,
+            full_attention_layers=full_layers,
         )
 
     @property
@@ -97,8 +106,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecoderLayer:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], sliding: bool):
         self.cfg = cfg
+        self.sliding = sliding  # attends within cfg.sliding_window
         self.input_norm = weights["input_norm"]
         self.qkv = Linear(weights["qkv"], weights.get("qkv_bias"))
         self.q_norm = weights.get("q_norm")
@@ -126,7 +136,7 @@ class DecoderLayer:
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         backend.store(k, v, k_cache, v_cache, meta)
-        attn = backend.attend(q, k_cache, v_cache, meta, self.scale)
+        attn = backend.attend(q, k_cache, v_cache, meta, self.scale, sliding=self.sliding)
         hidden = hidden + self.o(attn.reshape(-1, self.q_size))
         x = rms_norm(hidden, self.post_norm, cfg.rms_norm_eps)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -144,7 +154,8 @@ class DecoderModel:
         self.norm = weights["norm"]
         self.lm_head = Linear(weights["lm_head"])
         self.layers = [
-            DecoderLayer(cfg, {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")})
+            DecoderLayer(cfg, {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")},
+                         sliding=cfg.sliding_window is not None and i not in cfg.full_attention_layers)
             for i in range(cfg.num_layers)
         ]
         self.inv_freq = inv_freq.to(self.embed.device)

@@ -72,6 +72,13 @@ MODELS = {
     "qwen2-attention-bias": ("qwen2", {}),
     "qwen3-qk-norm": ("qwen3", dict(head_dim=32)),
     "mistral": ("mistral", {}),
+    # Windows shorter than the 30 tokens of the test, so they cut.
+    "mistral-window-8": ("mistral", dict(sliding_window=8)),
+    # Qwen2/3 slide only the layers transformers marks sliding (layer i >= max_window_layers).
+    "qwen2-window-on-upper-layers": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "qwen2-window-on-no-layer": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=28)),
+    "qwen3-window-on-lower-layer": ("qwen3", dict(head_dim=32, use_sliding_window=True, sliding_window=8,
+                                                  layer_types=["sliding_attention", "full_attention"])),
 }
 
 
