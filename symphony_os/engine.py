@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import select_backend
-from .errors import InvalidArgument, PoolExhausted, SymphonyError
+from .errors import InvalidArgument, PoolExhausted
 from .gc_tuning import tune_gc, untune_gc
 from .kvfs import KVFS, KvSession
 from .loader import LoadedModel, load_model
@@ -134,6 +134,12 @@ class Engine:
             positions = list(positions)
             if len(positions) != len(tokens):
                 raise InvalidArgument(f"{len(tokens)} tokens but {len(positions)} positions")
+            if len(positions) == 1:  # a decode step: the check without a generator
+                valid = isinstance(positions[0], int) and -2**31 <= positions[0] < 2**31
+            else:
+                valid = all(isinstance(p, int) and -2**31 <= p < 2**31 for p in positions)
+            if not valid:
+                raise InvalidArgument("positions must be 32-bit integers, as the guest ABI passes them")
         validate_want(want, vocab)
         request = PredRequest(session.take_for_pred(handle), tokens, positions, want)
         with self._queue_mutex:
@@ -194,7 +200,7 @@ class Engine:
                 except PoolExhausted as error:
                     short.append((request, None, error))
                     continue  # others in this batch hold the memory: try again next batch
-                except SymphonyError as error:
+                except Exception as error:  # a request that cannot run fails alone, never the engine's loop
                     failed.append((request, None, error))
                     continue
                 runnable.append(chunk)

@@ -17,6 +17,8 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 from .model import DecoderModel, ModelConfig, rope_inv_freq
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# RoPE scalings whose frequencies transformers recomputes from the sequence's length (refused).
+LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 DEFAULT_MODEL_NAME = "symphony-stdlib-4M"  # its card's name (default_model/README.md)
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -199,6 +201,21 @@ def _check_model_type(hf_config) -> None:
         raise ModelLoadError(
             f"model type {hf_config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    rope_type = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type")
+    if rope_type in LENGTH_DEPENDENT_ROPE:
+        raise ModelLoadError(f"{rope_type} RoPE scaling is not supported: its frequencies change with the "
+                             "sequence's length, and a KV cache computed at other lengths cannot follow")
+
+
+def _gguf_rope_freqs(path: Path) -> torch.Tensor | None:
+    """A GGUF's `rope_freqs.weight`: the divisors of its RoPE frequencies (llama.cpp writes a Llama
+    3.x model's llama3 scaling so, not as metadata, and transformers' reader drops the tensor)."""
+    import gguf
+
+    for tensor in gguf.GGUFReader(path).tensors:
+        if tensor.name == "rope_freqs.weight":
+            return torch.tensor(tensor.data, dtype=torch.float32).flatten()
+    return None
 
 
 def resolve_model_source(source: str | Path) -> Path:
@@ -237,14 +254,21 @@ def load_model(source: str | Path, dtype: str | torch.dtype | None = None, devic
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path}: a model file must be .gguf (or pass a Hugging Face directory)")
         hf_config, raw, tokenizer = _read_gguf(path)
+        rope_freqs = _gguf_rope_freqs(path)
         generation_config, name = None, path.stem
     else:
         hf_config, raw, tokenizer = _read_directory(path)
+        rope_freqs = None
         generation_config = path / "generation_config.json"
         name = DEFAULT_MODEL_NAME if path.resolve() == DEFAULT_MODEL_DIR else path.resolve().name
     cfg = ModelConfig.from_hf(hf_config)
     weights = _arrange_weights(raw, cfg, torch_dtype, device)
     inv_freq, rope_scale = rope_inv_freq(hf_config)
+    if rope_freqs is not None:
+        if rope_freqs.shape != inv_freq.shape:
+            raise ModelLoadError(f"{path}: rope_freqs has {rope_freqs.numel()} values, not one per frequency "
+                                 f"({inv_freq.numel()})")
+        inv_freq = inv_freq / rope_freqs
     return LoadedModel(
         name=name,
         path=path,

@@ -196,6 +196,11 @@ def test_bad_tokens_handles_and_read_only_are_refused(tiny_engine):
             tiny_engine.submit(kv, h, tokens)
     with pytest.raises(InvalidArgument):
         tiny_engine.submit(kv, h, [1, 2], positions=[0])
+    # Positions are 32-bit integers, as the guest ABI passes them: a float reached the batch and,
+    # two of them, stopped the engine's thread (one was taken, and the file's next position was 3.5).
+    for positions in ([2.5], [0.0, 1.0], [2**31], [-2**31 - 1], ["0"]):
+        with pytest.raises(InvalidArgument, match="positions must be 32-bit integers"):
+            tiny_engine.submit(kv, h, [1] * len(positions), positions=positions)
     kv.close(h)
     with pytest.raises(BadHandle):
         tiny_engine.submit(kv, h, [1])
@@ -357,3 +362,28 @@ def test_padded_page_table_rows_in_order_zero_padded():
     table = padded_page_table([[3, 4, 5], [7], [1, 2]])
     assert table.dtype.name == "int32" and table.tolist() == [[3, 4, 5], [7, 0, 0], [1, 2, 0]]
     assert padded_page_table([[9]]).tolist() == [[9]]
+
+
+def test_a_request_failing_in_an_unforeseen_way_fails_alone_and_the_loop_goes_on(tiny_engine, monkeypatch):
+    """Anything a request raises while its batch is prepared fails that request; before, any error
+    but ours stopped the background thread, and every later pred waited forever."""
+    reserve = tiny_engine.kvfs.reserve_slots
+    calls = []
+
+    def fail_first(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("unforeseen")
+        return reserve(*args, **kwargs)
+
+    monkeypatch.setattr(tiny_engine.kvfs, "reserve_slots", fail_first)
+    tiny_engine.start()
+    try:
+        kv = tiny_engine.session()
+        h = kv.create()
+        with pytest.raises(RuntimeError, match="unforeseen"):
+            tiny_engine.submit(kv, h, [1, 2, 3]).result(timeout=30)
+        assert tiny_engine.submit(kv, h, [1, 2, 3]).result(timeout=30).token is not None
+        kv.close_all()
+    finally:
+        tiny_engine.stop()

@@ -178,3 +178,60 @@ def test_models_command_lists_the_default_and_shared_models(monkeypatch):
     if SHARED_MODEL.is_dir():
         assert any("stories260K" in row and " gguf " in row for row in rows)
         assert any("stories260K" in row and " hf " in row for row in rows)
+
+
+def _gguf_copy_with(source, out, freq_base: float, rope_freqs) -> None:
+    """`source` rewritten to `out` with another RoPE base and a `rope_freqs.weight` tensor."""
+    import gguf
+    import numpy as np
+
+    reader, writer = gguf.GGUFReader(source), gguf.GGUFWriter(out, "llama")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "llama.rope.freq_base"):
+            continue
+        kind = field.types[0]
+        extra = {"sub_type": field.types[-1]} if kind == gguf.GGUFValueType.ARRAY else {}
+        writer.add_key_value(key, field.contents(), kind, **extra)
+    writer.add_rope_freq_base(freq_base)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data))
+    writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_gguf_with_rope_freqs_matches_its_llama3_scaled_hf_model(stories_gguf, stories_path, tmp_path):
+    """llama.cpp writes a Llama 3.x model's llama3 RoPE scaling as a rope_freqs tensor (frequency
+    divisors), not as metadata; transformers' GGUF reader drops it. Without it every position's
+    low frequencies were off (max logit error 2.0 here)."""
+    import json
+
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    scaled = tmp_path / "hf"
+    shutil.copytree(stories_path, scaled)
+    config = json.loads((scaled / "config.json").read_text())
+    (scaled / "config.json").write_text(json.dumps({**config, "rope_parameters": rope}))
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    unscaled = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    llama3, _ = ROPE_INIT_FUNCTIONS["llama3"](AutoConfig.from_pretrained(scaled), "cpu")
+    _gguf_copy_with(stories_gguf, tmp_path / "llama3.gguf", 500000.0, (unscaled / llama3).numpy())
+    engine = Engine.from_path(tmp_path / "llama3.gguf", device="cpu", num_pages=8)
+    prompt = engine.tokenize("Once upon a time, a little dog")
+    assert_matches_transformers(tmp_path / "llama3.gguf", prompt, device="cpu", page_size=16, num_pages=64,
+                                reference_model=AutoModelForCausalLM.from_pretrained(scaled, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+                                  {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                                   "long_factor": [2.0] * 8, "original_max_position_embeddings": 16}])
+def test_rope_scalings_that_change_with_the_length_are_refused(tmp_path, rope):
+    """transformers recomputes dynamic and longrope frequencies from the sequence's length; a KV
+    cache computed at other lengths cannot follow, and one fixed set diverged past the limit."""
+    path = build_hf_model(tmp_path, "llama", rope_parameters=rope)
+    with pytest.raises(ModelLoadError, match=f"{rope['rope_type']} RoPE scaling"):
+        load_model(path, device="cpu")
