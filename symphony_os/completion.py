@@ -7,6 +7,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
+from .limits import ended_by_limit
 from .tenants import QuotaExceeded, Tenant
 
 if TYPE_CHECKING:
@@ -151,13 +152,14 @@ async def run_completion(state: "ServerState", tenant: Tenant, request: Completi
     """Run the built-in `complete` LIP for `tenant` (a process like any other: it counts against
     the tenant's quotas and is killed if the caller goes away) and yield its events."""
     table = state.table
+    payload = request.encode()  # before the process starts: nothing to clean up if it fails
     # Its frames are bounded by the request (n * max_tokens tokens), and none may be dropped.
     record = table.launch(tenant, state.completion_program, state.completion_entry, [], {}, buffer_bytes=None)
     frames = table.attach(record)
-    record.process.deliver(request.encode())
-    record.process.close_input()
     wants_logprobs = request.logprobs is not None
     try:
+        record.process.deliver(payload)
+        record.process.close_input()
         while True:
             frame = await frames.get()
             if frame["type"] == "output":
@@ -166,6 +168,8 @@ async def run_completion(state: "ServerState", tenant: Tenant, request: Completi
                 table.delivered_exit(record)
                 if frame["code"] == EXIT_LIMIT:
                     raise QuotaExceeded(record.process.hostcalls.last_limit or record.log_tail.strip())
+                if ended_by_limit(frame["reason"]):
+                    raise QuotaExceeded(f"the completion process was stopped by a limit: {frame['reason']}")
                 if frame["code"] != 0:
                     raise CompletionFailed(f"the completion process ended: {frame['reason']}: "
                                            f"{record.log_tail.strip()}")

@@ -8,6 +8,7 @@ is hit ends (or refuses) only the offending process, and `Process._end` frees wh
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 import time
@@ -102,6 +103,17 @@ class Usage:
         if limits.wall_time_s is not None and time.monotonic() - self.started > limits.wall_time_s:
             return f"killed: wall time limit {_amount(limits.wall_time_s)}s exceeded"
         return None
+
+
+# The end reasons of a process that a limit stopped: those this module writes, and wasmtime's
+# refusal, at start, of a memory larger than the limit.
+LIMIT_REASON = re.compile(r"^killed: .*\blimit\b.*\b(exceeded|exhausted)$|^trapped: .*\(memory near its limit"
+                          r"|^failed to start: .*exceeds memory limits")
+
+
+def ended_by_limit(reason: str | None) -> bool:
+    """Whether a process with this end reason was stopped by one of its limits."""
+    return reason is not None and LIMIT_REASON.match(reason) is not None
 
 
 def check_kv_pages(process: "Process", handle: int | None = None, tokens: int = 0) -> None:

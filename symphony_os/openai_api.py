@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import struct
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -24,6 +26,7 @@ from .server_state import ServerState, tenant_of
 from .tenants import QuotaExceeded, Tenant
 
 router = APIRouter(prefix="/v1", tags=["openai"])
+log = logging.getLogger("symphony.openai")
 
 MAX_COMPLETION_TOKENS = 4096
 MAX_BODY_BYTES = 4 * 2**20  # a request's JSON body: bounds the parsing, tokenizing and templating it costs
@@ -85,13 +88,35 @@ async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
         if len(body) > MAX_BODY_BYTES:
             raise too_big
     try:
-        return model.model_validate(json.loads(body))
+        data = json.loads(body)
+        _check_encodable(data)
+        return model.model_validate(data)
     except ValueError as error:  # JSON decoding and pydantic's ValidationError
         if isinstance(error, ValidationError):
             first = error.errors()[0]
             param = ".".join(str(p) for p in first["loc"])
             raise OpenAIError(400, f"{param}: {first['msg']}", param=param) from None
         raise OpenAIError(400, "the body is not valid JSON") from None
+    except RecursionError:
+        raise OpenAIError(400, "the body is not valid JSON: nested too deep") from None
+
+
+def _check_encodable(data: Any) -> None:
+    """Refuse a string that is not text: JSON may escape a lone UTF-16 surrogate ("\\ud800"),
+    which neither the tokenizer nor UTF-8 takes."""
+    pending = [data]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                raise OpenAIError(400, "a string in the body holds a lone UTF-16 surrogate, which is not text") from None
+        elif isinstance(item, dict):
+            pending += item.keys()
+            pending += item.values()
+        elif isinstance(item, list):
+            pending += item
 
 
 def _sampling(state: ServerState, body: SamplingBody, prompt_ids: list[int], max_tokens: int | None,
@@ -119,7 +144,7 @@ def _sampling(state: ServerState, body: SamplingBody, prompt_ids: list[int], max
     n = 1 if body.n is None else body.n
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     checks = [(0 <= temperature <= 2, "temperature must be in [0, 2]", "temperature"),
-              (0 < top_p <= 1, "top_p must be in (0, 1]", "top_p"),
+              (0 < _as_float32(top_p) <= 1, "top_p must be in (0, 1] (and not round to 0 as a float32)", "top_p"),
               (1 <= n <= MAX_BRANCHES, f"n must be in [1, {MAX_BRANCHES}]", "n"),
               (len(stop) <= MAX_STOPS and all(stop), f"stop takes up to {MAX_STOPS} non-empty strings", "stop"),
               (logprobs is None or 0 <= logprobs <= MAX_TOP_LOGPROBS,
@@ -128,6 +153,11 @@ def _sampling(state: ServerState, body: SamplingBody, prompt_ids: list[int], max
         if not ok:
             raise OpenAIError(400, message, param=param)
     return CompletionRequest(prompt_ids, max_tokens, n, logprobs, temperature, top_p, body.seed, tuple(stop))
+
+
+def _as_float32(value: float) -> float:
+    """`value` as the built-in LIP receives it."""
+    return struct.unpack("<f", struct.pack("<f", value))[0]
 
 
 def _chat_prompt(state: ServerState, body: ChatBody) -> list[int]:
@@ -242,13 +272,24 @@ async def _respond(request: Request, body: SamplingBody, completion: CompletionR
             data["usage"] = usage
         return f"data: {json.dumps(data)}\n\n"
 
+    # The process starts before the response does, so a quota refusal is still a 403 (a check
+    # here and a start in the stream let concurrent requests pass the check together).
+    events = choices.events(tenant)
+    first = await anext(events, None)
+
+    async def started() -> AsyncIterator[tuple[int, str, list[TokenEvent], str | None]]:
+        if first is not None:
+            yield first
+        async for item in events:
+            yield item
+
     async def sse() -> AsyncIterator[str]:
         offsets = [0] * completion.n
         try:
             if chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for i in range(completion.n)])
-            async for branch, text, tokens, reason in choices.events(tenant):
+            async for branch, text, tokens, reason in started():
                 if not text and not tokens and reason is None:
                     continue
                 logprobs = choices.logprobs_json(tokens, offsets[branch]) if tokens else None
@@ -261,11 +302,12 @@ async def _respond(request: Request, body: SamplingBody, completion: CompletionR
             if include_usage:
                 yield chunk([], _usage(choices.info, choices.completion_tokens))
         except (CompletionFailed, QuotaExceeded) as error:
-            yield f"data: {json.dumps({'error': {'message': str(error), 'type': 'server_error'}})}\n\n"
+            kind = "quota_exceeded" if isinstance(error, QuotaExceeded) else "server_error"
+            yield f"data: {json.dumps({'error': {'message': str(error), 'type': kind}})}\n\n"
+        finally:
+            await events.aclose()
         yield "data: [DONE]\n\n"
 
-    # Quota refusals come before the stream starts, so they can still be a 403.
-    state.table.check_process_quota(tenant)
     return StreamingResponse(sse(), media_type="text/event-stream")
 
 
@@ -282,6 +324,9 @@ async def _guarded(handler) -> Any:
         return OpenAIError(403, str(error), kind="quota_exceeded").response()
     except CompletionFailed as error:
         return OpenAIError(500, str(error), kind="server_error").response()
+    except Exception:  # a bug of ours: logged, and answered in OpenAI's shape
+        log.exception("an OpenAI-compatible request failed")
+        return OpenAIError(500, "internal error (logged by the server)", kind="server_error").response()
 
 
 @router.get("/models")

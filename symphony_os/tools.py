@@ -99,6 +99,8 @@ def calculator(expression: str) -> str:
         raise InvalidArgument("calculator: division by zero") from None
     except (OverflowError, MemoryError):
         raise InvalidArgument("calculator: the result is too large") from None
+    except InvalidArgument:  # value()'s own refusals, which say why (InvalidArgument is a ValueError)
+        raise
     except (RecursionError, TypeError, ValueError) as error:
         raise InvalidArgument(f"calculator: cannot evaluate ({type(error).__name__})") from None
     if isinstance(result, float):

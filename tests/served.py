@@ -1,7 +1,7 @@
 """A real `symphony serve` app on a loopback port, for the server tests: uvicorn on a thread of
-the test process, serving the stories260K model to six tenants (alice, bob, carol and dave
-without quotas, `tight` with small ones, `small` with room for a few short completions), with
-a one-second grace period."""
+the test process, serving the stories260K model to seven tenants (alice, bob, carol and dave
+without quotas, `tight` with small ones, `small` with room for a few short completions, `terse`
+with little output per process), with a one-second grace period."""
 from __future__ import annotations
 
 import threading
@@ -15,10 +15,11 @@ from symphony_os.engine import Engine
 from symphony_os.server import ServerConfig, create_app
 from symphony_os.tenants import Tenants
 
-TOKENS = {name: f"token-of-{name}" for name in ("alice", "bob", "carol", "dave", "tight", "small")}
+TOKENS = {name: f"token-of-{name}" for name in ("alice", "bob", "carol", "dave", "tight", "small", "terse")}
 TIGHT_QUOTAS = dict(max_processes=1, max_kv_pages=2, max_kv_files=2, max_upload_bytes=4096, cpu_time_s=0.5)
 SMALL_QUOTAS = dict(max_kv_pages=8, max_upload_bytes=400)
-QUOTAS = {"tight": TIGHT_QUOTAS, "small": SMALL_QUOTAS}
+TERSE_QUOTAS = dict(output_bytes=4000)
+QUOTAS = {"tight": TIGHT_QUOTAS, "small": SMALL_QUOTAS, "terse": TERSE_QUOTAS}
 GRACE_S = 1.0
 MAX_UPLOAD_BYTES = 1 << 20
 

@@ -1,5 +1,7 @@
 """The OpenAI-compatible endpoints, driven by the unmodified `openai` package: completions,
 streamed chat completions, sampling options, automatic prefix reuse, and OpenAI-shaped errors."""
+import asyncio
+
 import httpx
 import openai
 import pytest
@@ -84,6 +86,9 @@ def test_identical_prompt_prefixes_reuse_kv_pages(served, api):
     assert first.choices[0].text == second.choices[0].text
     metrics = httpx.get(served.url + "/metrics").text
     assert "symphony_completion_cached_tokens_total 0\n" not in metrics
+    requests, generated = (int(metrics.split(f"\n{name} ")[1].split()[0]) for name in
+                           ("symphony_completion_requests_total", "symphony_completion_tokens_total"))
+    assert requests >= 3 and generated >= 30
     # The cache belongs to the tenant: another tenant's identical prompt starts cold.
     with openai.OpenAI(base_url=served.url + "/v1", api_key=TOKENS["dave"], max_retries=0) as dave:
         theirs = dave.completions.create(model="stories260K", prompt=story, max_tokens=10, temperature=0)
@@ -95,7 +100,7 @@ def test_bad_requests_get_openai_errors(served, api):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         api.completions.create(model="gpt-4", prompt=PROMPT)
     for bad in (dict(temperature=5), dict(n=0), dict(max_tokens=-1), dict(top_p=0), dict(logprobs=50),
-                dict(prompt=[10**9]), dict(prompt=[]), dict(stop=[""])):
+                dict(prompt=[10**9]), dict(prompt=[]), dict(stop=[""]), dict(top_p=1e-46)):
         with pytest.raises(openai.BadRequestError):
             api.completions.create(**{"model": "stories260K", "prompt": PROMPT, **bad})
     with pytest.raises(openai.BadRequestError, match="messages"):
@@ -168,3 +173,76 @@ def test_a_request_body_over_4_mib_is_refused_before_parsing(served):
     response = httpx.post(served.url + "/v1/completions", content=body,
                           headers={"Authorization": f"Bearer {TOKENS['carol']}", "Content-Type": "application/json"})
     assert response.status_code == 413 and "request body" in response.json()["error"]["message"]
+
+
+def test_sampling_with_logprobs_follows_the_hosts_semantics(api):
+    """With logprobs the built-in LIP samples in the guest. Its weights underflowed at a small
+    temperature (it drew the least likely token it kept), and it cut top-p before the temperature;
+    the host tempers first."""
+    def first_tokens(**options):
+        return [api.completions.create(model="stories260K", prompt="Lily and Tom went to the", max_tokens=1,
+                                       seed=seed, **options).choices[0].text for seed in range(16)]
+
+    greedy = api.completions.create(model="stories260K", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    cold = api.completions.create(model="stories260K", prompt=PROMPT, max_tokens=12, temperature=0.0005, logprobs=0)
+    assert cold.choices[0].text == greedy
+    # Tempered by 0.7, the most likely token holds over 80% of the mass: top_p 0.8 keeps it alone.
+    on_host = first_tokens(temperature=0.7, top_p=0.8)
+    assert len(set(on_host)) == 1
+    assert first_tokens(temperature=0.7, top_p=0.8, logprobs=0) == on_host
+
+
+def _post_raw(served, path: str, body: str) -> httpx.Response:
+    return httpx.post(served.url + path, content=body.encode(), timeout=60,
+                      headers={"Authorization": f"Bearer {TOKENS['carol']}", "Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", '{"model": "stories260K", "prompt": "Hi \\ud800", "max_tokens": 2}'),
+    ("/v1/completions", '{"model": "stories260K", "prompt": "Hi", "max_tokens": 2, "stop": ["\\ud800"]}'),
+    ("/v1/chat/completions", '{"model": "stories260K", "messages": [{"role": "user", "content": "\\udfff"}]}'),
+])
+def test_a_lone_surrogate_is_a_400_and_leaves_no_process(served, path, body):
+    """Valid JSON, not encodable text: in `stop` it failed after the completion process had
+    started, and left it running, attached, forever (counted against the tenant's processes)."""
+    table = served.app.state.symphony.table
+    before = {record.pid for record in table.list("carol")}
+    response = _post_raw(served, path, body)
+    assert response.status_code == 400 and "surrogate" in response.json()["error"]["message"], response.text
+    assert {record.pid for record in table.list("carol") if record.running} <= before
+
+
+def test_json_nested_too_deep_is_a_400(served):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        response = _post_raw(served, path, "[" * 10000 + "]" * 10000)
+        assert response.status_code == 400 and "JSON" in response.json()["error"]["message"], response.text
+
+
+def test_a_process_limit_reached_by_a_completion_is_a_403(served):
+    """A tenant's per-process limits (here its output) stop the completion's process: a quota
+    refusal like the others, not a server error."""
+    with openai.OpenAI(base_url=served.url + "/v1", api_key=TOKENS["terse"], max_retries=0) as terse:
+        with pytest.raises(openai.PermissionDeniedError, match="output limit"):
+            terse.completions.create(model="stories260K", prompt=PROMPT, max_tokens=200, temperature=0, logprobs=5)
+        stream = terse.completions.create(model="stories260K", prompt=PROMPT, max_tokens=200, temperature=0,
+                                          logprobs=5, stream=True)
+        with pytest.raises(openai.APIError, match="output limit"):
+            list(stream)
+
+
+def test_concurrent_streams_over_the_process_quota_are_refused_with_a_403(served):
+    """The quota was checked when a stream was asked for and the process started when it
+    began: concurrent streams all passed the check, then failed inside a 200 stream."""
+    async def ask(client: httpx.AsyncClient) -> tuple[int, str]:
+        body = {"model": "stories260K", "prompt": PROMPT, "max_tokens": 12, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body,
+                                 headers={"Authorization": f"Bearer {TOKENS['tight']}"}) as response:
+            return response.status_code, (await response.aread()).decode()
+
+    async def all_at_once():
+        async with httpx.AsyncClient(base_url=served.url, timeout=60) as client:
+            return await asyncio.gather(*(ask(client) for _ in range(4)))
+
+    answers = asyncio.run(all_at_once())
+    assert all(status == 403 or (status == 200 and '"error"' not in text) for status, text in answers), answers
+    assert any(status == 200 for status, _ in answers) and any(status == 403 for status, _ in answers)

@@ -1,4 +1,6 @@
 """Operator tools (symphony_os/tools.py): the calculator computes arithmetic and nothing else."""
+import re
+
 import pytest
 
 from symphony_os.errors import InvalidArgument, Unsupported
@@ -17,6 +19,13 @@ def test_calculator_does_arithmetic(expression, result):
                                         "(-8)**0.5 % 2", "(-8)**(1/3)", "1" + "0" * 400, "1\x00", "9" * 5000])
 def test_calculator_refuses_everything_else(expression):
     with pytest.raises(InvalidArgument):
+        calculator(expression)
+
+
+@pytest.mark.parametrize("expression, message", [("2**65", "exponents are limited to 64"),
+                                                 ("x", "only numbers and"), ("(-8)**(1/3)", "not a real number")])
+def test_calculator_says_why_it_refuses(expression, message):
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
         calculator(expression)
 
 

@@ -81,7 +81,10 @@ static int by_prob_desc(const void *a, const void *b) {
     return pa < pb ? 1 : pa > pb ? -1 : *(const int32_t *)a - *(const int32_t *)b;
 }
 
-/* Sample from dist (a probability distribution) with temperature and top-p, in the guest. */
+/* Sample from dist (a probability distribution) in the guest, with the host's semantics
+ * (sampling._sample_row): the temperature first, then top-p over the tempered probabilities.
+ * Weights are relative to the most likely token's (it weighs 1), so no temperature, however
+ * small, underflows them all. */
 static int32_t sample_in_guest(uint64_t seed) {
     int32_t best = 0;
     for (int i = 1; i < vocab; i++) if (dist[i] > dist[best]) best = i;
@@ -90,18 +93,19 @@ static int32_t sample_in_guest(uint64_t seed) {
     static double weight[1 << 18];
     for (int i = 0; i < vocab; i++) order[i] = i;
     qsort(order, vocab, sizeof order[0], by_prob_desc);
-    double total = 0, kept = 0;
-    int n = 0;
-    for (; n < vocab; n++) { /* top-p over the untempered probabilities, like the host */
-        if (n > 0 && kept >= req.top_p) break;
-        kept += dist[order[n]];
-    }
-    for (int i = 0; i < n; i++) {
-        weight[i] = dist[order[i]] > 0 ? exp(log((double)dist[order[i]]) / req.temperature) : 0;
+    double top = log((double)dist[best]), total = 0;
+    for (int i = 0; i < vocab; i++) {
+        weight[i] = dist[order[i]] > 0 ? exp((log((double)dist[order[i]]) - top) / req.temperature) : 0;
         total += weight[i];
     }
+    double kept = 0;
+    int n = 0;
+    for (; n < vocab; n++) { /* drop a token once those before it reach top_p (the first stays) */
+        if (n > 0 && kept >= req.top_p * total) break;
+        kept += weight[n];
+    }
     uint64_t state = seed;
-    double r = (double)(splitmix(&state) >> 11) / 9007199254740992.0 * total;
+    double r = (double)(splitmix(&state) >> 11) / 9007199254740992.0 * kept;
     for (int i = 0; i < n; i++) {
         r -= weight[i];
         if (r < 0) return order[i];
