@@ -111,6 +111,7 @@ class BranchText:
     read_at: int = 0
     searched: int = 0  # decoded[:searched] holds no stop string (none that ends there, at least)
     stop_at: int | None = None
+    pieces: list[str] = field(default_factory=list)  # what each token added to `decoded` ("" mid-character)
 
     def add(self, token: int) -> str:
         self.ids.append(token)
@@ -118,8 +119,11 @@ class BranchText:
         context = self.detokenize(self.ids[self.prefix_at:self.read_at])
         text = self.detokenize(self.ids[self.prefix_at:])
         if len(text) > len(context) and not text.endswith("\ufffd"):
-            self.decoded += text[len(context):]
+            self.pieces.append(text[len(context):])
+            self.decoded += self.pieces[-1]
             self.prefix_at, self.read_at = self.read_at, len(self.ids)
+        else:
+            self.pieces.append("")
         ready = len(self.decoded)
         if self.stops:
             longest = max(len(stop) for stop in self.stops)

@@ -217,25 +217,35 @@ class Choices:
                 self.finish_reasons[item.branch] = item.reason
                 yield item.branch, self.texts[item.branch].finish(item.text_end), [], item.reason
 
-    def token_text(self, token: int) -> str:
-        return self.state.engine.detokenize([token])
+    def _alternative_text(self, branch: int, index: int, token: int) -> str:
+        """The text `token` would add at `index` of the branch: decoded after the token before it,
+        as the branch's text is (decoded alone, a token loses a leading space)."""
+        detokenize = self.state.engine.detokenize
+        if index == 0:
+            return detokenize([token])
+        before = self.texts[branch].ids[index - 1]
+        return detokenize([before, token])[len(detokenize([before])):]
 
-    def logprobs_json(self, tokens: list[TokenEvent], text_offset: int = 0) -> dict | None:
+    def logprobs_json(self, branch: int, start: int = 0) -> dict | None:
+        """The log-probabilities of the branch's tokens from `start` on (a stream sends each
+        token's once). A token's text is what it added to the branch's text: joined, they are
+        the text, and text_offset indexes it."""
         if self.request.logprobs is None:
             return None
+        events, pieces = self.logprobs[branch][start:], self.texts[branch].pieces[start:]
+        tops = [{(i, self._alternative_text(branch, start + j, i)): lp for i, lp in event.top}
+                for j, event in enumerate(events)]
         if self.chat:
-            def entry(token: int, logprob: float) -> dict:
-                text = self.token_text(token)
+            def entry(text: str, logprob: float) -> dict:
                 return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-            return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
-                                for t in tokens]}
-        texts = [self.token_text(t.token) for t in tokens]
-        offsets, at = [], text_offset
-        for text in texts:
+            return {"content": [{**entry(text, event.logprob), "top_logprobs": [entry(t, lp) for (_, t), lp in top.items()]}
+                                for text, event, top in zip(pieces, events, tops)]}
+        offsets, at = [], sum(len(piece) for piece in self.texts[branch].pieces[:start])
+        for piece in pieces:
             offsets.append(at)
-            at += len(text)
-        return {"tokens": texts, "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [{self.token_text(i): lp for i, lp in t.top} for t in tokens], "text_offset": offsets}
+            at += len(piece)
+        return {"tokens": pieces, "token_logprobs": [event.logprob for event in events],
+                "top_logprobs": [{text: lp for (_, text), lp in top.items()} for top in tops], "text_offset": offsets}
 
 
 def _completion_id(chat: bool) -> str:
@@ -255,9 +265,8 @@ async def _respond(request: Request, body: SamplingBody, completion: CompletionR
             text, reason = choices.texts[i].text, choices.finish_reasons[i] or "length"
             if chat:
                 return {"index": i, "message": {"role": "assistant", "content": text},
-                        "logprobs": choices.logprobs_json(choices.logprobs[i]), "finish_reason": reason}
-            return {"index": i, "text": text, "logprobs": choices.logprobs_json(choices.logprobs[i]),
-                    "finish_reason": reason}
+                        "logprobs": choices.logprobs_json(i), "finish_reason": reason}
+            return {"index": i, "text": text, "logprobs": choices.logprobs_json(i), "finish_reason": reason}
         return {"id": cid, "object": kind, "created": created, "model": model,
                 "choices": [choice(i) for i in range(completion.n)],
                 "usage": _usage(choices.info, choices.completion_tokens)}
@@ -284,7 +293,6 @@ async def _respond(request: Request, body: SamplingBody, completion: CompletionR
             yield item
 
     async def sse() -> AsyncIterator[str]:
-        offsets = [0] * completion.n
         try:
             if chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -292,8 +300,7 @@ async def _respond(request: Request, body: SamplingBody, completion: CompletionR
             async for branch, text, tokens, reason in started():
                 if not text and not tokens and reason is None:
                     continue
-                logprobs = choices.logprobs_json(tokens, offsets[branch]) if tokens else None
-                offsets[branch] += len(text)
+                logprobs = choices.logprobs_json(branch, len(choices.logprobs[branch]) - len(tokens)) if tokens else None
                 if chat:
                     yield chunk([{"index": branch, "delta": {"content": text} if text else {},
                                   "logprobs": logprobs, "finish_reason": reason}])

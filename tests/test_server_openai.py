@@ -72,6 +72,16 @@ def test_stop_n_seed_and_logprobs(api):
                                        max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
     assert len(chat.choices[0].logprobs.content) == 4
     assert all(len(t.top_logprobs) == 2 for t in chat.choices[0].logprobs.content)
+    # Each token's text is what it adds to the text (decoded alone, one lost its leading space),
+    # so they join into the text, and text_offset indexes it, streamed or not.
+    assert "".join(lp.tokens) == scored.choices[0].text
+    assert all(scored.choices[0].text[at:].startswith(token) for at, token in zip(lp.text_offset, lp.tokens))
+    streamed = list(api.completions.create(model="stories260K", prompt=PROMPT, max_tokens=6, temperature=0,
+                                           logprobs=3, stream=True))
+    assert [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == lp.tokens
+    assert [o for c in streamed if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+    assert "".join(t.token for t in chat.choices[0].logprobs.content) == chat.choices[0].message.content
+    assert all(t.top_logprobs[0].token == t.token for t in chat.choices[0].logprobs.content)
 
 
 def test_identical_prompt_prefixes_reuse_kv_pages(served, api):
