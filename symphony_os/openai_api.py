@@ -9,6 +9,7 @@ are server-sent events ending in `data: [DONE]`. Errors have OpenAI's shape:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import struct
@@ -29,6 +30,7 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 log = logging.getLogger("symphony.openai")
 
 MAX_COMPLETION_TOKENS = 4096
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request looks whether its client is still there
 MAX_BODY_BYTES = 4 * 2**20  # a request's JSON body: bounds the parsing, tokenizing and templating it costs
 FALLBACK_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                           "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -259,8 +261,7 @@ async def _respond(request: Request, body: SamplingBody, completion: CompletionR
     created, cid, model = int(time.time()), _completion_id(chat), body.model
     kind = "chat.completion" if chat else "text_completion"
     if not body.stream:
-        async for _ in choices.events(tenant):
-            pass
+        await _unless_gone(request, choices.events(tenant))
         def choice(i: int) -> dict:
             text, reason = choices.texts[i].text, choices.finish_reasons[i] or "length"
             if chat:
@@ -316,6 +317,23 @@ async def _respond(request: Request, body: SamplingBody, completion: CompletionR
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(sse(), media_type="text/event-stream")
+
+
+async def _unless_gone(request: Request, events: AsyncIterator) -> None:
+    """Run `events` to the end, or stop it (which kills its process) once the client has gone."""
+    async def consume():
+        async for _ in events:
+            pass
+
+    task = asyncio.ensure_future(consume())
+    while not task.done():
+        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise OpenAIError(499, "the client closed the request")  # nobody reads it: logged as such
+    await task
 
 
 async def _guarded(handler) -> Any:

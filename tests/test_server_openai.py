@@ -1,6 +1,7 @@
 """The OpenAI-compatible endpoints, driven by the unmodified `openai` package: completions,
 streamed chat completions, sampling options, automatic prefix reuse, and OpenAI-shaped errors."""
 import asyncio
+import time
 
 import httpx
 import openai
@@ -256,3 +257,19 @@ def test_concurrent_streams_over_the_process_quota_are_refused_with_a_403(served
     answers = asyncio.run(all_at_once())
     assert all(status == 403 or (status == 200 and '"error"' not in text) for status, text in answers), answers
     assert any(status == 200 for status, _ in answers) and any(status == 403 for status, _ in answers)
+
+
+def test_a_completion_whose_client_left_is_stopped(served):
+    """A non-streamed request ran to its end (seconds of decoding, hundreds of KV pages) after
+    its client had given up; now its process is killed once the client is gone."""
+    table = served.app.state.symphony.table
+    before = {record.pid for record in table.list("carol", include_ended=True)}
+    body = {"model": "stories260K", "prompt": PROMPT, "max_tokens": 400, "n": 16, "temperature": 1}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(served.url + "/v1/completions", json=body, timeout=0.5,
+                   headers={"Authorization": f"Bearer {TOKENS['carol']}"})
+    [record] = [r for r in table.list("carol", include_ended=True) if r.pid not in before]
+    deadline = time.monotonic() + 60
+    while record.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "the request went away" in record.process.end_reason
