@@ -104,7 +104,11 @@ class BranchText:
 
     detokenize: Callable[[list[int]], str]
     stops: tuple[str, ...] = ()
-    ids: list[int] = field(default_factory=list)
+    # The prompt's last token: the text is decoded after it and without it, so a first token
+    # keeps its leading space (decoded alone, a sentencepiece token loses it). builtin/complete.c
+    # finds stop strings in the same text.
+    context: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # the context, then the branch's tokens
     sent: str = ""
     decoded: str = ""  # the text of ids[:read_at]
     prefix_at: int = 0  # ids[prefix_at:read_at] are decoded again as context for the next ones
@@ -112,6 +116,10 @@ class BranchText:
     searched: int = 0  # decoded[:searched] holds no stop string (none that ends there, at least)
     stop_at: int | None = None
     pieces: list[str] = field(default_factory=list)  # what each token added to `decoded` ("" mid-character)
+
+    def __post_init__(self):
+        self.ids = list(self.context)
+        self.read_at = len(self.context)
 
     def add(self, token: int) -> str:
         self.ids.append(token)
@@ -140,7 +148,9 @@ class BranchText:
         return delta
 
     def finish(self, text_end: int | None) -> str:
-        text = self.detokenize(self.ids)
+        whole, context = self.detokenize(self.ids), self.detokenize(self.context)
+        # As complete.c does: without the context where it merged with what follows.
+        text = whole[len(context):] if whole.startswith(context) else self.detokenize(self.ids[len(self.context):])
         if text_end is not None:
             text = text.encode()[:text_end].decode("utf-8", "ignore")
         delta = text[len(self.sent):] if text.startswith(self.sent) else ""

@@ -108,7 +108,7 @@ class Usage:
 # The end reasons of a process that a limit stopped: those this module writes, and wasmtime's
 # refusal, at start, of a memory larger than the limit.
 LIMIT_REASON = re.compile(r"^killed: .*\blimit\b.*\b(exceeded|exhausted)$|^trapped: .*\(memory near its limit"
-                          r"|^failed to start: .*exceeds memory limits")
+                          r"|^failed to start: .*exceeds memory limits", re.S)  # a trap's message has lines
 
 
 def ended_by_limit(reason: str | None) -> bool:

@@ -109,6 +109,8 @@ def _check_encodable(data: Any) -> None:
     pending = [data]
     while pending:
         item = pending.pop()
+        if type(item) is int:  # most of a long token-id prompt
+            continue
         if isinstance(item, str):
             try:
                 item.encode()
@@ -146,7 +148,8 @@ def _sampling(state: ServerState, body: SamplingBody, prompt_ids: list[int], max
     n = 1 if body.n is None else body.n
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     checks = [(0 <= temperature <= 2, "temperature must be in [0, 2]", "temperature"),
-              (0 < _as_float32(top_p) <= 1, "top_p must be in (0, 1] (and not round to 0 as a float32)", "top_p"),
+              (0 < top_p <= 1 and _as_float32(top_p) > 0, "top_p must be in (0, 1] (and not round to 0 as a float32)",
+               "top_p"),
               (1 <= n <= MAX_BRANCHES, f"n must be in [1, {MAX_BRANCHES}]", "n"),
               (len(stop) <= MAX_STOPS and all(stop), f"stop takes up to {MAX_STOPS} non-empty strings", "stop"),
               (logprobs is None or 0 <= logprobs <= MAX_TOP_LOGPROBS,
@@ -194,7 +197,8 @@ class Choices:
 
     def __init__(self, state: ServerState, request: CompletionRequest, chat: bool):
         self.state, self.request, self.chat = state, request, chat
-        self.texts = [BranchText(state.engine.detokenize, request.stop) for _ in range(request.n)]
+        self.texts = [BranchText(state.engine.detokenize, request.stop, request.prompt_ids[-1:])
+                      for _ in range(request.n)]
         self.logprobs: list[list[TokenEvent]] = [[] for _ in range(request.n)]
         self.finish_reasons: list[str | None] = [None] * request.n
         self.info: PromptInfo | None = None
@@ -219,14 +223,15 @@ class Choices:
                 self.finish_reasons[item.branch] = item.reason
                 yield item.branch, self.texts[item.branch].finish(item.text_end), [], item.reason
 
-    def _alternative_text(self, branch: int, index: int, token: int) -> str:
-        """The text `token` would add at `index` of the branch: decoded after the token before it,
-        as the branch's text is (decoded alone, a token loses a leading space)."""
-        detokenize = self.state.engine.detokenize
-        if index == 0:
-            return detokenize([token])
-        before = self.texts[branch].ids[index - 1]
-        return detokenize([before, token])[len(detokenize([before])):]
+    def _alternative_texts(self, branch: int, index: int, tokens: list[int]) -> list[str]:
+        """The text each of `tokens` would add at `index` of the branch: decoded after the token
+        before it (the prompt's last before the first), as the branch's text is."""
+        detokenize, ids = self.state.engine.detokenize, self.texts[branch].ids
+        at = len(self.texts[branch].context) + index
+        if at == 0:
+            return [detokenize([token]) for token in tokens]
+        before = detokenize([ids[at - 1]])
+        return [detokenize([ids[at - 1], token])[len(before):] for token in tokens]
 
     def logprobs_json(self, branch: int, start: int = 0) -> dict | None:
         """The log-probabilities of the branch's tokens from `start` on (a stream sends each
@@ -235,8 +240,10 @@ class Choices:
         if self.request.logprobs is None:
             return None
         events, pieces = self.logprobs[branch][start:], self.texts[branch].pieces[start:]
-        tops = [{(i, self._alternative_text(branch, start + j, i)): lp for i, lp in event.top}
-                for j, event in enumerate(events)]
+        tops = []  # per token: {(id, text): log-prob}
+        for j, event in enumerate(events):
+            texts = self._alternative_texts(branch, start + j, [i for i, _ in event.top])
+            tops.append({(i, text): lp for (i, lp), text in zip(event.top, texts)})
         if self.chat:
             def entry(text: str, logprob: float) -> dict:
                 return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
@@ -326,14 +333,17 @@ async def _unless_gone(request: Request, events: AsyncIterator) -> None:
             pass
 
     task = asyncio.ensure_future(consume())
-    while not task.done():
-        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-        if not task.done() and await request.is_disconnected():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            raise OpenAIError(499, "the client closed the request")  # nobody reads it: logged as such
-    await task
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise OpenAIError(499, "the client closed the request")  # nobody reads it: logged as such
+        await task
+    finally:  # this handler cancelled (a timeout, the server stopping): the process goes too
+        task.cancel()
 
 
 async def _guarded(handler) -> Any:

@@ -42,3 +42,26 @@ def test_a_pred_in_flight_counts_once_while_queued_running_and_done():
     request.file.inflight -= 1
     fs.release(request.file)
     kv.close_all()
+
+
+@pytest.mark.parametrize("body, limits, by_limit", [
+    # Grows its memory until refused, then traps: a trap's reason spans lines (its backtrace).
+    ("(block $b (loop $l (br_if $b (i32.eq (memory.grow (i32.const 1)) (i32.const -1))) (br $l))) unreachable",
+     dict(memory_bytes=4 << 20), True),
+    ("(loop $l (br $l))", dict(cpu_time_s=0.2), True),
+    ("unreachable", {}, False),
+])
+def test_an_end_by_a_limit_is_told_from_other_ends(tiny_engine, body, limits, by_limit):
+    """The OpenAI path answers a completion stopped by its tenant's limits with a 403."""
+    from dataclasses import replace
+
+    from guests import wat
+    from symphony_os.limits import ProcessLimits, ended_by_limit
+    from symphony_os.runtime import Runtime
+
+    module = wat(f'(module (memory (export "memory") 1) (func (export "_start") {body}))')
+    with Runtime(tiny_engine) as runtime:
+        process = runtime.spawn(runtime.load(module, "guest"), limits=replace(ProcessLimits(), **limits))
+        runtime.wait(process, 60)
+    assert ended_by_limit(process.end_reason) is by_limit, process.end_reason
+    assert not ended_by_limit("killed: the request went away") and not ended_by_limit("exit 3")

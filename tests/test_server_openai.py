@@ -30,6 +30,12 @@ def test_greedy_completion_equals_the_hello_lip(served, api):
         hello = client.run(client.upload(lip("hello"))["sha256"], [PROMPT, "24"]).output.decode()
     completion = api.completions.create(model="stories260K", prompt=PROMPT, max_tokens=24, temperature=0)
     assert PROMPT + completion.choices[0].text + "\n" == hello
+    # The text is decoded after the prompt: a first token keeps its leading space (" upon").
+    with Client(served.url, TOKENS["carol"]) as client:
+        once = client.run(client.upload(lip("hello"))["sha256"], ["Once", "12"]).output.decode()
+    for stop in ([], ["no such stop"]):
+        short = api.completions.create(model="stories260K", prompt="Once", max_tokens=12, temperature=0, stop=stop)
+        assert "Once" + short.choices[0].text + "\n" == once and short.choices[0].text.startswith(" ")
     assert completion.choices[0].finish_reason == "length"
     assert completion.usage.prompt_tokens == len(served.engine.tokenize(PROMPT))
     assert completion.usage.completion_tokens == 24
@@ -111,7 +117,7 @@ def test_bad_requests_get_openai_errors(served, api):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         api.completions.create(model="gpt-4", prompt=PROMPT)
     for bad in (dict(temperature=5), dict(n=0), dict(max_tokens=-1), dict(top_p=0), dict(logprobs=50),
-                dict(prompt=[10**9]), dict(prompt=[]), dict(stop=[""]), dict(top_p=1e-46)):
+                dict(prompt=[10**9]), dict(prompt=[]), dict(stop=[""]), dict(top_p=1e-46), dict(top_p=1e39)):
         with pytest.raises(openai.BadRequestError):
             api.completions.create(**{"model": "stories260K", "prompt": PROMPT, **bad})
     with pytest.raises(openai.BadRequestError, match="messages"):

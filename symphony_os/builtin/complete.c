@@ -43,7 +43,7 @@ _Static_assert(sizeof(request) == 40, "request header is 40 bytes");
 
 typedef struct {
     sym_kv kv;
-    int32_t *ids;     /* generated tokens */
+    int32_t *ids;     /* generated tokens; ids[-1] is the prompt's last token (see branch_text) */
     int len;
     int done;
     char *text;       /* detokenized ids, when stop strings are checked */
@@ -55,6 +55,12 @@ static const char *stops[MAX_STOPS];
 static int stop_lens[MAX_STOPS];
 static float *dist;
 static int vocab;
+/* The prompt's last token and its text: a branch's text is decoded after it and without it, so
+   a first token keeps its leading space (decoded alone, a sentencepiece token loses it).
+   symphony_os/completion.py's BranchText takes the text the same way. */
+static int32_t context_token;
+static char context_text[256];
+static int context_len = -1; /* -1: decode branches alone */
 
 static void send_words(const int32_t *words, int n) { sym_send((const char *)words, 4 * n); }
 
@@ -141,26 +147,48 @@ static void send_token(int b, int32_t token) {
     send_words(frame, 5 + 2 * k);
 }
 
-/* Where the first stop string starts in the branch's text, or -1. */
-static int find_stop(branch *br) {
-    int len = sym_detokenize(br->ids, br->len, br->text, br->text_cap - 1);
+/* Decode ids[0..n) into br->text, growing it; the length, or -1 (-2 out of memory). */
+static int decode_into(branch *br, const int32_t *ids, int n) {
+    int len = sym_detokenize(ids, n, br->text, br->text_cap - 1);
     if (len < 0) return -1;
     if (len >= br->text_cap) {
+        char *grown = realloc(br->text, len + 4096);
+        if (!grown) return -2;
         br->text_cap = len + 4096;
-        br->text = realloc(br->text, br->text_cap);
-        len = sym_detokenize(br->ids, br->len, br->text, br->text_cap - 1);
+        br->text = grown;
+        len = sym_detokenize(ids, n, br->text, br->text_cap - 1);
+        if (len < 0) return -1;
     }
     br->text[len] = 0;
+    return len;
+}
+
+/* Where the first stop string starts in the branch's text (decoded after the prompt's last
+   token, which is not part of it), or -1; -2 when memory ran out. */
+static int find_stop(branch *br) {
+    int base = 0, len = -1;
+    if (context_len >= 0) {
+        len = decode_into(br, br->ids - 1, br->len + 1);
+        if (len >= context_len && memcmp(br->text, context_text, context_len) == 0) base = context_len;
+        else if (len != -2) len = -1; /* the context merged with what follows: decode alone */
+    }
+    if (len == -1) len = decode_into(br, br->ids, br->len);
+    if (len < 0) return len == -2 ? -2 : -1;
     int first = -1;
     for (int s = 0; s < req.n_stop; s++) {
-        for (int at = 0; at + stop_lens[s] <= len; at++) {
+        for (int at = base; at + stop_lens[s] <= len; at++) {
             if (memcmp(br->text + at, stops[s], stop_lens[s]) == 0) {
-                if (first < 0 || at < first) first = at;
+                if (first < 0 || at - base < first) first = at - base;
                 break;
             }
         }
     }
     return first;
+}
+
+static int out_of_memory(void) {
+    fprintf(stderr, "complete: out of memory (the process's memory limit)\n");
+    return EXIT_LIMIT;
 }
 
 static int read_request(char *buf) {
@@ -192,10 +220,14 @@ int main(void) {
     }
     const int32_t *prompt = (const int32_t *)(buf + sizeof req);
     vocab = sym_vocab_size();
-    if (req.logprobs >= 0 && (vocab <= 0 || vocab > (1 << 18) || !(dist = malloc(sizeof(float) * vocab)))) {
+    if (req.logprobs >= 0 && (vocab <= 0 || vocab > (1 << 18))) {
         fprintf(stderr, "complete: cannot hold a distribution over %d tokens\n", vocab);
         return EXIT_FAILED;
     }
+    if (req.logprobs >= 0 && !(dist = malloc(sizeof(float) * vocab))) return out_of_memory();
+    context_token = prompt[req.n_prompt - 1];
+    int got = sym_detokenize(&context_token, 1, context_text, sizeof context_text - 1);
+    if (got >= 0 && got < (int)sizeof context_text) context_len = got;
 
     sym_kv root = sym_kv_open_prefix(prompt, req.n_prompt);
     int cached = root < 0 ? root : sym_kv_len(root);
@@ -220,11 +252,15 @@ int main(void) {
     for (int b = 0; b < req.n; b++) {
         br[b].kv = req.n == 1 ? root : sym_kv_fork(root);
         if (br[b].kv < 0) return failed("fork", br[b].kv);
-        br[b].ids = malloc(sizeof(int32_t) * (req.max_tokens + 1));
+        int32_t *ids = malloc(sizeof(int32_t) * (req.max_tokens + 2));
+        if (!ids) return out_of_memory();
+        ids[0] = context_token;
+        br[b].ids = ids + 1;
         br[b].len = 0;
         br[b].done = req.max_tokens == 0;
         br[b].text_cap = req.n_stop ? 4096 : 0;
         br[b].text = req.n_stop ? malloc(br[b].text_cap) : NULL;
+        if (req.n_stop && !br[b].text) return out_of_memory();
         feed[b] = prompt + cached;
         feed_len[b] = rest;
         if (br[b].done) finish(b, FINISH_LENGTH, -1);
@@ -267,6 +303,7 @@ int main(void) {
             br[b].ids[br[b].len++] = token;
             send_token(b, token);
             int stop_at = req.n_stop ? find_stop(&br[b]) : -1;
+            if (stop_at == -2) return out_of_memory();
             if (stop_at >= 0) {
                 br[b].done = 1;
                 finish(b, FINISH_STOP, stop_at);
