@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from .model import DecoderModel, ModelConfig, rope_inv_freq
+from .model import DecoderModel, ModelConfig, rope_inv_freq, rope_parameters
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE scalings whose frequencies transformers recomputes from the sequence's length (refused).
@@ -201,7 +201,7 @@ def _check_model_type(hf_config) -> None:
         raise ModelLoadError(
             f"model type {hf_config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    rope_type = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type")
+    rope_type = rope_parameters(hf_config)["rope_type"]
     if rope_type in LENGTH_DEPENDENT_ROPE:
         raise ModelLoadError(f"{rope_type} RoPE scaling is not supported: its frequencies change with the "
                              "sequence's length, and a KV cache computed at other lengths cannot follow")

@@ -73,10 +73,18 @@ class ModelConfig:
         return self.num_layers * (attn + mlp) + embed
 
 
+def rope_parameters(hf_config) -> dict:
+    """The config's RoPE parameters: `rope_parameters` in transformers 5, `rope_scaling` before
+    (where the type may be under the legacy key `type`), with `rope_type` always set."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
 def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
     """Inverse RoPE frequencies and the cos/sin scale, as transformers computes them."""
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
+    params = rope_parameters(hf_config)
+    rope_type = params["rope_type"]
     if rope_type == "default":
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))

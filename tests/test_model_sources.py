@@ -235,3 +235,18 @@ def test_rope_scalings_that_change_with_the_length_are_refused(tmp_path, rope):
     path = build_hf_model(tmp_path, "llama", rope_parameters=rope)
     with pytest.raises(ModelLoadError, match=f"{rope['rope_type']} RoPE scaling"):
         load_model(path, device="cpu")
+
+
+def test_rope_parameters_are_read_from_either_transformers_generation():
+    """transformers 5 names them rope_parameters; 4.x (which pyproject allows) rope_scaling, its
+    type sometimes under the legacy key `type`: read from either, a scaling is never dropped."""
+    from types import SimpleNamespace
+
+    from symphony_os.model import rope_parameters
+
+    v5 = SimpleNamespace(rope_parameters={"rope_type": "llama3", "factor": 8.0}, rope_scaling=None)
+    v4 = SimpleNamespace(rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    legacy = SimpleNamespace(rope_scaling={"type": "dynamic", "factor": 2.0})
+    assert rope_parameters(v5)["rope_type"] == rope_parameters(v4)["rope_type"] == "llama3"
+    assert rope_parameters(legacy)["rope_type"] == "dynamic"
+    assert rope_parameters(SimpleNamespace())["rope_type"] == "default"
