@@ -149,7 +149,7 @@ def run(program, args, model_path, device, dtype, attention, page_size, kv_pages
     import threading
     import time
 
-    from .cli_client import output_closed_status, parse_env
+    from .cli_client import exit_status, output_closed_status, parse_env, stdin_messages
     from .errors import InputClosed, LimitExceeded, OutputClosed
     from .program import ProgramError
     from .runtime import Runtime
@@ -179,10 +179,10 @@ def run(program, args, model_path, device, dtype, attention, page_size, kv_pages
 
         def forward_stdin() -> None:
             try:
-                for line in sys.stdin:
+                for line in stdin_messages("run"):
                     while True:
                         try:
-                            process.deliver(line.rstrip("\n").encode())
+                            process.deliver(line)
                             break
                         except LimitExceeded:  # its inbox is full: wait for it to read
                             time.sleep(0.01)
@@ -202,7 +202,7 @@ def run(program, args, model_path, device, dtype, attention, page_size, kv_pages
         click.echo(f"batches {s.batches}, mean batch size {s.mean_batch_size:.2f}, tokens {s.tokens} "
                    f"({s.tokens / elapsed:.1f} tokens/s), queue wait {s.mean_queue_wait_ms:.2f} ms, "
                    f"KV pages peak {pool.peak_used} of {pool.total}", err=True)
-    sys.exit(code)
+    sys.exit(exit_status(code))
 
 
 @main.command()

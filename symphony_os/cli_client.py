@@ -29,6 +29,29 @@ def parse_env(pairs: tuple[str, ...]) -> dict[str, str]:
     return env
 
 
+# A stdin line goes as one message; the server's WebSocket takes frames up to 16 MiB.
+MAX_LINE_BYTES = 8 * 2**20
+
+
+def stdin_messages(command: str):
+    """The lines of stdin as the program's messages: bytes as they are (any encoding), without
+    their line ending (\\n or \\r\\n). A line over MAX_LINE_BYTES ends the input, with a warning."""
+    for line in sys.stdin.buffer:
+        line = line[:-1] if line.endswith(b"\n") else line
+        line = line[:-1] if line.endswith(b"\r") else line
+        if len(line) > MAX_LINE_BYTES:
+            click.echo(f"symphony {command}: a stdin line of {len(line)} bytes is over the {MAX_LINE_BYTES}-byte "
+                       "limit of a message; the program's input ends there", err=True)
+            return
+        yield line
+
+
+def exit_status(code: int) -> int:
+    """A program's exit code as this command's status: 0-255 as they are, any other 1 (a shell
+    would see 256 as 0, success)."""
+    return code if 0 <= code <= 255 else 1
+
+
 def output_closed_status() -> int:
     """After stdout's reader left (`| head`): stdout goes to /dev/null, so that nothing fails
     flushing it at exit, and the exit status is a SIGPIPE death's, as other Unix tools give."""
@@ -115,9 +138,10 @@ async def _launch(server, token, program, args, env, detach, verbose) -> int:
         lines: asyncio.Queue = asyncio.Queue()
 
         def read_stdin() -> None:
-            for line in sys.stdin:
-                loop.call_soon_threadsafe(lines.put_nowait, line.rstrip("\n"))
-            loop.call_soon_threadsafe(lines.put_nowait, None)
+            with contextlib.suppress(RuntimeError):  # the loop closed: the process ended first
+                for line in stdin_messages("launch"):
+                    loop.call_soon_threadsafe(lines.put_nowait, line)
+                loop.call_soon_threadsafe(lines.put_nowait, None)
 
         async def forward() -> None:
             while (line := await lines.get()) is not None:
@@ -140,6 +164,8 @@ async def _launch(server, token, program, args, env, detach, verbose) -> int:
                         return output_closed_status()
                 elif frame["type"] == "log" and verbose:
                     sys.stderr.write(frame["text"])
+                elif frame["type"] == "error":  # the server refused something we sent
+                    click.echo(f"symphony launch: {frame['message']}", err=True)
                 elif frame["type"] == "exit":
                     end = frame
         finally:
@@ -147,7 +173,7 @@ async def _launch(server, token, program, args, env, detach, verbose) -> int:
             await stream.close()
         if not str(end.get("reason", "")).startswith("exit"):
             click.echo(f"symphony launch: process {info['pid']} {end['reason']}", err=True)
-        return end["code"]
+        return exit_status(end["code"])
 
 
 @click.command()
@@ -171,8 +197,9 @@ def ps(show_all, as_json, server, token):
 @_server_options
 def kill(pid, server, token):
     """Kill one of your processes."""
-    _calling(server, token, lambda c: c.kill(pid))
-    click.echo(f"killed {pid}")
+    info = _calling(server, token, lambda c: c.kill(pid))
+    ended = info.get("end_reason") if isinstance(info, dict) else None
+    click.echo(f"killed {pid}" if not ended or ended.startswith("killed") else f"{pid} had already ended: {ended}")
 
 
 @click.group()

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import os
 import threading
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -175,7 +176,8 @@ class AsyncClient:
         return _check(await self._http.get("/kv", params={"prefix": prefix}))
 
     async def kv_rm(self, path: str) -> dict:
-        return _check(await self._http.delete(f"/kv/{path}"))
+        # Quoted: a name holding ?, # or % is a name, not a query, a fragment or an escape.
+        return _check(await self._http.delete(f"/kv/{urllib.parse.quote(path, safe='/@')}"))
 
     async def kv_share(self, path: str, tenants: list[str]) -> dict:
         return _check(await self._http.post("/kv/share", json={"path": path, "tenants": tenants}))

@@ -286,6 +286,35 @@ def test_bad_modules_are_refused_with_one_line(tiny_engine, case, tmp_path):
     assert result.exit_code == 2 and message.split()[0] in result.output
 
 
+# Sends back each message it receives, until its input closes.
+ECHO = wat('''(module
+  (import "symphony" "recv" (func $recv (param i32 i32) (result i32)))
+  (import "symphony" "send" (func $send (param i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (func (export "_start") (local $n i32)
+    (block $done (loop $next
+      (local.set $n (call $recv (i32.const 0) (i32.const 1024)))
+      (br_if $done (i32.lt_s (local.get $n) (i32.const 0)))
+      (drop (call $send (i32.const 0) (local.get $n)))
+      (br $next)))))''')
+
+
+def test_symphony_run_gives_stdin_lines_as_bytes_and_ends_input_at_a_line_too_long(tiny_engine, tmp_path):
+    """A line not in UTF-8 killed the stdin thread, and the program waited in recv forever; one
+    longer than the inbox was retried forever. Lines go as bytes, without \\r\\n; a line over the
+    limit of a message ends the input, with a warning."""
+    from symphony_os.cli_client import MAX_LINE_BYTES
+
+    path = tmp_path / "echo.wasm"
+    path.write_bytes(ECHO)
+    run = ["run", "--model", str(tiny_engine.loaded.path), str(path)]
+    result = CliRunner().invoke(main, run, input=b"one\r\n\xff\xfe\ntwo\n")
+    assert result.exit_code == 0 and result.stdout_bytes == b"one\xff\xfetwo", result.output
+    result = CliRunner().invoke(main, run, input=b"one\n" + b"x" * (MAX_LINE_BYTES + 1) + b"\nafter\n")
+    assert result.exit_code == 0 and result.stdout_bytes == b"one"
+    assert "is over the" in result.stderr and "input ends there" in result.stderr
+
+
 def test_symphony_run_streams_output_and_stats(stories_path):
     result = CliRunner().invoke(main, ["run", "--model", str(stories_path), "--stats", str(lip("hello")),
                                        "--", "Once upon a time", "20"])

@@ -214,12 +214,20 @@ def test_cli_upload_launch_ps_kill_and_kv(served, alice, tmp_path):
     echo_path.write_bytes(ECHO)
     piped = runner.invoke(main, ["launch", str(echo_path)], input="first\nsecond\n")
     assert piped.exit_code == 0 and piped.stdout == "firstsecond"
+    # Lines go as bytes, whatever their encoding (one not UTF-8 killed the reader and hung the
+    # launch), without \r\n.
+    raw = runner.invoke(main, ["launch", str(echo_path)], input=b"first\r\n\xff\xfe\nsecond\n")
+    assert raw.exit_code == 0 and raw.stdout_bytes == b"first\xff\xfesecond", raw.output
     detached = runner.invoke(main, ["launch", "--detach", alice.upload(ECHO, "echo")["sha256"]])
     pid = int(detached.stdout)
     listed = runner.invoke(main, ["ps"])
     assert listed.exit_code == 0 and any(line.split()[0] == str(pid) for line in listed.stdout.splitlines()[1:])
     assert runner.invoke(main, ["kill", str(pid)]).exit_code == 0
     assert wait_until(lambda: alice.inspect(pid)["state"] == "killed")
+    ended = alice.launch(alice.upload(lip("hello"))["sha256"], ["Once", "2"], detached=True)["pid"]
+    assert wait_until(lambda: alice.inspect(ended)["state"] == "exited")
+    late = runner.invoke(main, ["kill", str(ended)])
+    assert late.exit_code == 0 and late.stdout == f"{ended} had already ended: exit 0\n", late.output
     parallel = runner.invoke(main, ["launch", str(lip("parallel")), "--", "A dog.", "2", "Hi"])
     assert parallel.exit_code == 0, parallel.output
     files = runner.invoke(main, ["kv", "ls", "--json"])
@@ -453,3 +461,29 @@ def test_metrics_are_exact_and_summaries_have_sum_and_count(served, alice):
     samples = dict(line.split(" ") for line in text.splitlines() if line and not line.startswith("#"))
     assert samples["symphony_tokens_total"].isdigit() and samples["symphony_pred_queue_wait_seconds_count"].isdigit()
     assert float(samples["symphony_pred_queue_wait_seconds_sum"]) > 0
+
+
+# Creates the named KV files "a", "keep" and "demo/b".
+NAMED_FILES = wat('''(module
+  (import "symphony" "kv_open" (func $open (param i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 0) "akeepdemo/b")
+  (func (export "_start")
+    (drop (call $open (i32.const 0) (i32.const 1) (i32.const 1)))
+    (drop (call $open (i32.const 1) (i32.const 4) (i32.const 1)))
+    (drop (call $open (i32.const 5) (i32.const 6) (i32.const 1)))))''')
+
+
+def test_kv_rm_removes_only_the_file_it_names(alice):
+    """The name went into the URL unquoted: `kv rm 'a?b'` removed `a`, 'keep#x' removed `keep`
+    and 'demo%2Fb' removed `demo/b`. Now each is a name of its own, and there is no such file."""
+    result = alice.run(alice.upload(NAMED_FILES, "named-files")["sha256"])
+    assert result.exit_code == 0, result.reason
+    names = {"a", "keep", "demo/b"}
+    assert names <= {f["path"] for f in alice.kv_ls()}
+    for name in ("a?b", "keep#x", "demo%2Fb"):
+        with pytest.raises(ServerError):
+            alice.kv_rm(name)
+    assert names <= {f["path"] for f in alice.kv_ls()}
+    for name in names:
+        alice.kv_rm(name)
