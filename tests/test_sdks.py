@@ -78,3 +78,25 @@ def test_sdk_argmax_is_torch_argmax(runtime, tmp_path, sdk):
     process.close_input()
     assert runtime.wait(process, 60) == 0, process.end_reason
     assert [int(line) for line in b"".join(out).split()] == [int(values.argmax()) for values in arrays]
+
+
+@pytest.mark.parametrize("language", sorted(BUILDS))
+def test_every_end_of_sequence_id_ends_generation_however_many(stories_path, tmp_path, language):
+    """The C, Rust and AssemblyScript SDKs read at most 8 end-of-sequence ids: a model listing the
+    token that ends its text ninth or later generated past it."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(stories_path, model)
+    engine = Engine.from_path(model, device="cpu", page_size=16, num_pages=256)
+    prompt = "Once upon a time"
+    kv = engine.session()
+    first = engine.pred(kv, kv.create(), engine.tokenize(prompt)).token  # what greedy decoding gives first
+    kv.close_all()
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [*range(3, 12), first]}))
+    engine = Engine.from_path(model, device="cpu", page_size=16, num_pages=256)
+    assert len(engine.loaded.eos_token_ids) >= 10
+    with Runtime(engine) as runtime:
+        assert run(runtime, BUILDS[language]("hello"), [prompt, "20"]) == prompt + "\n"

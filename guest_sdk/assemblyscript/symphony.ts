@@ -139,10 +139,15 @@ export function vocabSize(): i32 {
   return vocab_size();
 }
 
+/** The model's end-of-sequence ids, however many (the host gives the count first). */
 export function eosIds(): Int32Array {
-  const ids = new Int32Array(8);
-  const n = check(eos_ids(ids.dataStart, 8), "eos_ids");
-  return ids.subarray(0, min(n, 8));
+  let ids = new Int32Array(8);
+  let n = check(eos_ids(ids.dataStart, 8), "eos_ids");
+  if (n > 8) {
+    ids = new Int32Array(n);
+    n = min(check(eos_ids(ids.dataStart, n), "eos_ids"), n);
+  }
+  return ids.subarray(0, n);
 }
 
 export function isEos(token: i32): bool {

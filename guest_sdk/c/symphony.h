@@ -11,6 +11,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #ifdef __cplusplus
@@ -104,11 +105,21 @@ static inline int sym_vocab_size(void) { return __sym_vocab_size(); }
 /* The first end-of-sequence id. */
 static inline int32_t sym_eos(void) { int32_t id = -1; int n = __sym_eos_ids(&id, 1); return n > 0 ? id : (n < 0 ? n : SYM_EUNSUPPORTED); }
 /* Is `token` one of the model's end-of-sequence ids? (The ids are asked once, then kept.) */
+/* Whether `token` ends a sequence: any of the model's end-of-sequence ids (read once; a model
+   may have more than fit the first buffer). */
 static inline int sym_is_eos(int32_t token) {
-    static int32_t ids[8];
+    static int32_t first[64];
+    static int32_t *ids = first;
     static int n = -1;
-    if (n < 0) n = __sym_eos_ids(ids, 8);
-    for (int i = 0; i < n && i < 8; i++) if (ids[i] == token) return 1;
+    if (n < 0) {
+        n = __sym_eos_ids(first, 64);
+        if (n > 64) {
+            ids = (int32_t *)malloc(sizeof(int32_t) * (size_t)n);
+            if (ids) n = __sym_eos_ids(ids, n);
+            else ids = first, n = 64;
+        }
+    }
+    for (int i = 0; i < n; i++) if (ids[i] == token) return 1;
     return 0;
 }
 static inline int32_t sym_bos(void) { return __sym_bos_id(); }

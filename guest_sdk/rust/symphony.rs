@@ -101,10 +101,16 @@ pub fn vocab_size() -> usize {
     unsafe { sys::vocab_size() }.max(0) as usize
 }
 
+/// The model's end-of-sequence ids, however many (the host gives the count first).
 pub fn eos_ids() -> Vec<u32> {
-    let mut ids = [0i32; 8];
-    let n = unsafe { sys::eos_ids(ids.as_mut_ptr(), 8) }.clamp(0, 8) as usize;
-    ids[..n].iter().map(|&i| i as u32).collect()
+    let mut ids = vec![0i32; 8];
+    loop {
+        let n = unsafe { sys::eos_ids(ids.as_mut_ptr(), ids.len() as i32) }.max(0) as usize;
+        if n <= ids.len() {
+            return ids[..n].iter().map(|&i| i as u32).collect();
+        }
+        ids = vec![0i32; n];
+    }
 }
 
 pub fn bos_id() -> Option<u32> {
