@@ -48,11 +48,13 @@ int main(int argc, char **argv) {
         if (total - 1 - start >= 2 * WINDOW || start == n) {
             start = total - 1 > WINDOW ? total - 1 - WINDOW : 0;
             decoded = sym_detokenize(ids + start, total - 1 - start, text, sizeof text);
+            if (decoded >= 0 && decoded <= (int)sizeof text) decoded = sym_text_settled(text, decoded);
         }
         int now = sym_detokenize(ids + start, total - start, text, sizeof text);
+        if (now >= 0 && now <= (int)sizeof text) now = sym_text_settled(text, now); /* a character still coming */
         if (decoded >= 0 && now > decoded && now <= (int)sizeof text)
             sym_send(text + decoded, now - decoded);
-        decoded = now;
+        if (now > decoded) decoded = now;
         feed = &ids[total - 1];
         feed_len = 1;
     }

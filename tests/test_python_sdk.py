@@ -203,6 +203,23 @@ def test_python_guest_runs_into_the_same_limits_as_a_core_module(engine):
     assert not process.component_calls.distributions
 
 
+def test_text_stream_holds_back_a_character_until_its_tokens_have_all_come(engine):
+    """A character spanning tokens decodes as U+FFFD until complete: TextStream sent those
+    replacement characters, and then the rest at the wrong offset."""
+    text = "café 日本, naïve — ok"
+    with Runtime(engine) as runtime:
+        out, _ = run(runtime, misbehave(), ["stream", text])
+    assert out == text
+
+
+@pytest.mark.parametrize("args, code, logged", [([], 0, ""), (["7"], 7, ""), (["fatal: bad input"], 1, "fatal: bad input")])
+def test_sys_exit_in_a_python_guest_ends_as_in_python(engine, args, code, logged):
+    """sys.exit() ended with 1, and sys.exit("message") lost its message."""
+    with Runtime(engine) as runtime:
+        _, log = run(runtime, misbehave(), ["exit", *args], expect=code)
+    assert logged in log
+
+
 def test_python_guest_exception_exits_1_with_traceback_and_prints_in_its_log(engine):
     with Runtime(engine) as runtime:
         _, log = run(runtime, misbehave(), ["crash"], expect=1)

@@ -100,3 +100,39 @@ def test_every_end_of_sequence_id_ends_generation_however_many(stories_path, tmp
     assert len(engine.loaded.eos_token_ids) >= 10
     with Runtime(engine) as runtime:
         assert run(runtime, BUILDS[language]("hello"), [prompt, "20"]) == prompt + "\n"
+
+
+STREAMERS = {  # each streams its argument's tokens one at a time through its SDK's streaming helper
+    "c": lambda tmp: build_c(ROOT / "tests" / "c_guests" / "stream.c", tmp / "stream.wasm"),
+    "rust": lambda tmp: rust_test_guest("stream"),
+}
+
+
+@pytest.mark.parametrize("sdk", STREAMERS)
+def test_streamed_text_holds_back_a_character_until_its_tokens_have_all_come(runtime, tmp_path, sdk):
+    """A character spanning tokens decodes as U+FFFD until complete: the streams sent those
+    replacement characters, and then the rest at the wrong offset ("café " + five U+FFFD)."""
+    text = "café 日本, naïve — ok"
+    engine = runtime.engine
+    ids = engine.tokenize(text, add_special_tokens=False)
+    assert any("\ufffd" in engine.detokenize(ids[:end]) for end in range(1, len(ids)))  # characters span tokens
+    assert run(runtime, STREAMERS[sdk](tmp_path), [text]) == text
+
+
+@pytest.mark.parametrize("k", [5, 100])
+def test_c_top_k_takes_any_k_the_host_serves(runtime, tmp_path, k):
+    """The C SDK refused k > 64 (its buffer), though the host serves any k up to the vocabulary;
+    a ticket submitted for such a k could never be waited for."""
+    import struct
+
+    from symphony_os.sampling import TopK
+
+    out, log = [], []
+    program = runtime.load(build_c(ROOT / "tests" / "c_guests" / "topk.c", tmp_path / "topk.wasm"))
+    process = runtime.spawn(program, ["Once upon a time", str(k)], on_output=out.append, on_log=log.append)
+    assert runtime.wait(process, 120) == 0, (process.end_reason, "".join(log))
+    engine = runtime.engine
+    kv = engine.session()
+    expected = engine.pred(kv, kv.create(), engine.tokenize("Once upon a time"), want=TopK(k)).top_ids
+    kv.close_all()
+    assert [list(struct.unpack(f"<{k}i", chunk)) for chunk in out] == [list(expected)] * 2

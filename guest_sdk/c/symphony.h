@@ -130,6 +130,13 @@ static inline int sym_tokenize(const char *text, int32_t *out, int cap) { return
 /* Tokenize with the model's special tokens (BOS), as a prompt's start. */
 static inline int sym_tokenize_prompt(const char *text, int32_t *out, int cap) { return __sym_tokenize(text, (int32_t)strlen(text), 1, out, cap); }
 static inline int sym_detokenize(const int32_t *ids, int n, char *out, int cap) { return __sym_detokenize(ids, n, out, cap); }
+/* For streaming: the bytes of decoded text `text[0..len)` that are settled. A character whose
+   tokens have not all come yet decodes as U+FFFD (EF BF BD), one per byte so far, and becomes
+   itself once complete: hold such a tail back until it does. */
+static inline int sym_text_settled(const char *text, int len) {
+    while (len >= 3 && memcmp(text + len - 3, "\xEF\xBF\xBD", 3) == 0) len -= 3;
+    return len;
+}
 
 /* KV files */
 static inline sym_kv sym_kv_create(void) { return __sym_kv_create(); }
@@ -162,15 +169,27 @@ static inline sym_ticket sym_pred_submit_topk(sym_kv kv, const int32_t *ids, con
 static inline int sym_pred_wait(sym_ticket t, float *dist, int cap) { return __sym_pred_wait(t, dist, cap); }
 /* Sample tickets: returns the token. */
 static inline int32_t sym_pred_wait_sample(sym_ticket t) { return __sym_pred_wait(t, NULL, 0); }
-/* Top-k tickets: writes k ids and k log-probabilities; returns k. */
-static inline int sym_pred_wait_topk(sym_ticket t, int32_t *ids, float *logprobs, int k) {
-    int32_t buf[2 * 64];
-    if (k <= 0 || k > 64) return SYM_EINVAL;
-    int got = __sym_pred_wait(t, buf, 2 * k);
-    if (got < 0) return got;
-    memcpy(ids, buf, sizeof(int32_t) * got);
-    memcpy(logprobs, buf + got, sizeof(float) * got);
+/* A top-k answer comes as k ids then k log-probabilities in one buffer: on the stack up to k = 64,
+   else from malloc (SYM_ELIMIT when the process's memory is short). */
+#define SYM_TOPK_ON_STACK 64
+static inline int32_t *__sym_topk_buffer(int k, int32_t *small) {
+    if (k <= 0 || k > (1 << 24)) return NULL;
+    return k <= SYM_TOPK_ON_STACK ? small : (int32_t *)malloc(sizeof(int32_t) * 2 * (size_t)k);
+}
+static inline int __sym_topk_split(int got, int32_t *buf, int32_t *small, int32_t *ids, float *logprobs) {
+    if (got >= 0) {
+        memcpy(ids, buf, sizeof(int32_t) * got);
+        memcpy(logprobs, buf + got, sizeof(float) * got);
+    }
+    if (buf != small) free(buf);
     return got;
+}
+/* Top-k tickets: writes k ids and k log-probabilities (most likely first); returns k. */
+static inline int sym_pred_wait_topk(sym_ticket t, int32_t *ids, float *logprobs, int k) {
+    int32_t small[2 * SYM_TOPK_ON_STACK];
+    int32_t *buf = __sym_topk_buffer(k, small);
+    if (!buf) return k <= 0 || k > (1 << 24) ? SYM_EINVAL : SYM_ELIMIT;
+    return __sym_topk_split(__sym_pred_wait(t, buf, 2 * k), buf, small, ids, logprobs);
 }
 
 /* Speculative verification: append n tokens and get the greedy next token after each of them
@@ -190,14 +209,12 @@ static inline int sym_pred(sym_kv kv, const int32_t *ids, const int32_t *pos, in
 static inline int32_t sym_pred_sample(sym_kv kv, const int32_t *ids, const int32_t *pos, int n, const sym_sampling *s) {
     return __sym_pred(kv, ids, pos, n, SYM_PRED_SAMPLE, (int32_t)(intptr_t)s, NULL, 0);
 }
+/* The same, with the k most likely tokens and their log-probabilities (most likely first). */
 static inline int sym_pred_topk(sym_kv kv, const int32_t *ids, const int32_t *pos, int n, int k, int32_t *out_ids, float *out_logprobs) {
-    int32_t buf[2 * 64];
-    if (k <= 0 || k > 64) return SYM_EINVAL;
-    int got = __sym_pred(kv, ids, pos, n, SYM_PRED_TOPK, k, buf, 2 * k);
-    if (got < 0) return got;
-    memcpy(out_ids, buf, sizeof(int32_t) * got);
-    memcpy(out_logprobs, buf + got, sizeof(float) * got);
-    return got;
+    int32_t small[2 * SYM_TOPK_ON_STACK];
+    int32_t *buf = __sym_topk_buffer(k, small);
+    if (!buf) return k <= 0 || k > (1 << 24) ? SYM_EINVAL : SYM_ELIMIT;
+    return __sym_topk_split(__sym_pred(kv, ids, pos, n, SYM_PRED_TOPK, k, buf, 2 * k), buf, small, out_ids, out_logprobs);
 }
 
 /* The index of the largest of dist[0..n) (the first one, on ties; the first NaN, if any), as

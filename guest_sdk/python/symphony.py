@@ -278,24 +278,30 @@ def generate(kv: Kv, ids: list[int], max_tokens: int, sampler=Greedy(), stop: se
         feed = [token]
 
 
+def _settled(text: str) -> str:
+    """`text` without a character whose tokens have not all come yet: it decodes as U+FFFD, one
+    per byte so far, and becomes itself once complete."""
+    return text.rstrip("\ufffd")
+
+
 class TextStream:
     """Turns a growing token list into text pieces: decodes the whole list each time (a
-    character may span tokens) and returns what is new."""
+    character may span tokens) and returns what is new and settled."""
 
     def __init__(self, ids: list[int] = ()):
         self.ids = list(ids)
-        self.sent = detokenize(self.ids).encode() if self.ids else b""
+        self.sent = _settled(detokenize(self.ids)) if self.ids else ""
 
     def text(self) -> str:
-        return self.sent.decode("utf-8", "replace")
+        return self.sent
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        data = detokenize(self.ids).encode()
-        if len(data) <= len(self.sent):
+        text = _settled(detokenize(self.ids))
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
             return ""
-        piece, self.sent = data[len(self.sent):], data
-        return piece.decode("utf-8", "replace")
+        piece, self.sent = text[len(self.sent):], text
+        return piece
 
 
 # ---- I/O ----
@@ -327,8 +333,11 @@ def program(main: Callable[[list[str]], int | None]) -> type:
         def run(self) -> int:
             try:
                 return int(main(sys.argv[1:]) or 0)
-            except SystemExit as exit:
-                return exit.code if isinstance(exit.code, int) else 1
+            except SystemExit as exit:  # as Python's own: None is 0, a message goes to the log with 1
+                if exit.code is None or isinstance(exit.code, int):
+                    return exit.code or 0
+                print(exit.code, file=sys.stderr)
+                return 1
             except BaseException:
                 traceback.print_exc()
                 return 1

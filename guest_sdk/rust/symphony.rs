@@ -492,11 +492,14 @@ impl TextStream {
     pub fn new() -> TextStream {
         TextStream { sent: 0 }
     }
+    /// Sends what `tokens` decode to beyond what was sent, but for a character whose tokens
+    /// have not all come yet (it decodes as U+FFFD, one per byte so far, until complete).
     pub fn update(&mut self, tokens: &[u32]) -> Result<()> {
         let text = detokenize(tokens)?;
-        if text.len() > self.sent {
-            send(&text.as_bytes()[self.sent..])?;
-            self.sent = text.len();
+        let settled = text.trim_end_matches('\u{FFFD}');
+        if settled.len() > self.sent {
+            send(&settled.as_bytes()[self.sent..])?;
+            self.sent = settled.len();
         }
         Ok(())
     }

@@ -6,7 +6,12 @@ import { args, Context, detokenizeIds, sendText } from "../../guest_sdk/assembly
 let sent = 0;
 
 function stream(c: Context): void {
-  const text = c.text();
+  // A character whose tokens have not all come yet decodes as U+FFFD (one per byte so far)
+  // until complete: hold it back.
+  let text = c.text();
+  let end = text.length;
+  while (end > 0 && text.charCodeAt(end - 1) == 0xfffd) end--;
+  text = text.substring(0, end);
   const bytes = String.UTF8.byteLength(text);
   if (bytes > sent) {
     const data = Uint8Array.wrap(String.UTF8.encode(text));

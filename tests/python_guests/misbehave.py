@@ -5,7 +5,10 @@ Usage: misbehave MODE
   crash   - prints to its log, then raises: exit code 1, the traceback in the log
   calls N - times N cheap host calls of each kind; sends `call=microseconds` lines
   limits  - runs into the per-process limits (run it with small ones): sends `check=outcome` lines
-  sleep   - sends `sleeping`, then calls time.sleep (a LIP cannot wait on a timer: it traps)"""
+  sleep   - sends `sleeping`, then calls time.sleep (a LIP cannot wait on a timer: it traps)
+  stream TEXT - sends TEXT's tokens through TextStream, one token at a time
+  exit [CODE|MESSAGE] - sys.exit() with nothing, a code or a message"""
+import sys
 import time
 
 import symphony
@@ -114,6 +117,12 @@ def main(args: list[str]) -> int:
         limits()
     elif mode == "calls":
         calls(int(args[1]))
+    elif mode == "stream":  # args[1]'s tokens through TextStream, one at a time
+        stream = symphony.TextStream()
+        for token in symphony.tokenize(args[1]):
+            symphony.send(stream.push(token))
+    elif mode == "exit":  # sys.exit(args[1]): nothing, an int or a message
+        sys.exit(None if len(args) < 2 else int(args[1]) if args[1].isdigit() else args[1])
     elif mode == "sleep":
         symphony.send("sleeping\n")
         time.sleep(0.01)
