@@ -52,7 +52,6 @@ from symphony_os.runtime import Runtime  # noqa: E402
 from symphony_os.sampling import Distribution, Sample  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-WINDOW = 8  # lips/hello.c: its streaming window
 
 ROUNDS_GUEST = """(module
   (import "symphony" "kv_create" (func $kv_create (result i32)))
@@ -124,12 +123,12 @@ def null_model_rounds(model_dir: Path, processes: int, rounds: int, in_caller: b
 def api_decode(engine: Engine, prompts: list[list[int]], new_tokens: int,
                like_hello: bool = False) -> tuple[float, list[list[int]]]:
     """Greedy decoding through the Python API. `like_hello` does hello's own work too: the full
-    distribution per token, argmax of it, and the text it adds, decoded as hello streams it (a
-    window of recent tokens whose start moves up every WINDOW tokens)."""
+    distribution per token, argmax of it, and the text it adds, decoded as hello streams it (from
+    the last whole chunk of text on, as vLLM's detokenizer: two short decodes a token)."""
     kv = engine.session()
     handles = [kv.create() for _ in prompts]
     feeds, out, live = [list(p) for p in prompts], [[] for _ in prompts], set(range(len(prompts)))
-    starts, decoded = [len(p) for p in prompts], [0] * len(prompts)
+    offsets = [(max(0, len(p) - 1), len(p)) for p in prompts]  # hello's (prefix, read)
     eos = set(engine.loaded.eos_token_ids)
     started = time.perf_counter()
     for _ in range(new_tokens):
@@ -141,12 +140,11 @@ def api_decode(engine: Engine, prompts: list[list[int]], new_tokens: int,
             token = int(result.probs.argmax()) if like_hello else result.token
             if like_hello:
                 ids = prompts[i] + out[i] + [token]
-                if len(ids) - 1 - starts[i] >= 2 * WINDOW or starts[i] == len(prompts[i]):
-                    starts[i] = max(0, len(ids) - 1 - WINDOW)
-                    decoded[i] = len(engine.detokenize(ids[starts[i]:-1]))
-                text = engine.detokenize(ids[starts[i]:])
-                text[decoded[i]:]  # the new text, to stream
-                decoded[i] = len(text)
+                prefix, read = offsets[i]
+                before, text = engine.detokenize(ids[prefix:read]), engine.detokenize(ids[prefix:])
+                if len(text) > len(before) and not text.endswith("\ufffd"):
+                    text[len(before):]  # the new text, to stream
+                    offsets[i] = (read, len(ids))
             if token in eos:
                 live.discard(i)
             else:

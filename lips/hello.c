@@ -7,7 +7,6 @@
 #include "symphony.h"
 
 #define MAX_IDS 4096
-#define WINDOW 8 /* tokens of context decoded to stream each new token */
 
 static int32_t ids[MAX_IDS];
 static float dist[1 << 18];
@@ -31,11 +30,12 @@ int main(int argc, char **argv) {
     sym_send(text, printed < (int)sizeof text ? printed : (int)sizeof text);
     const int32_t *feed = ids;
     int feed_len = n, total = n;
-    /* Streaming: the text from ids[start] on, decoded, is `decoded` bytes long. The tokenizer
-       joins tokens with context, so a new token's text is what it adds to the decode of a
-       window of recent tokens (not its decode alone); a whole-text decode per token would cost
-       O(length). The window start moves up every WINDOW tokens. */
-    int start = n, decoded = 0;
+    /* Streaming, as vLLM's detokenizer does: ids[prefix..read) were decoded last time and ended
+       on a whole character; what ids[prefix..total) decode to beyond that is new. Decoding from
+       `prefix` gives each token its context (spaces, byte pieces) at the cost of a few tokens,
+       not of the whole text. A character whose tokens have not all come decodes as U+FFFD
+       until complete: it is held back (and sent at the end, if it never completes). */
+    int prefix = n > 0 ? n - 1 : 0, read = n;
     for (int step = 0; step < max_tokens; step++) {
         int got = sym_pred(kv, feed, NULL, feed_len, dist, vocab);
         if (got < 0) {
@@ -45,18 +45,20 @@ int main(int argc, char **argv) {
         int32_t best = sym_argmax(dist, vocab);
         if (sym_is_eos(best)) break;
         ids[total++] = best;
-        if (total - 1 - start >= 2 * WINDOW || start == n) {
-            start = total - 1 > WINDOW ? total - 1 - WINDOW : 0;
-            decoded = sym_detokenize(ids + start, total - 1 - start, text, sizeof text);
-            if (decoded >= 0 && decoded <= (int)sizeof text) decoded = sym_text_settled(text, decoded);
+        int before = sym_detokenize(ids + prefix, read - prefix, text, sizeof text);
+        int now = sym_detokenize(ids + prefix, total - prefix, text, sizeof text);
+        if (before >= 0 && now > before && now <= (int)sizeof text && sym_text_settled(text, now) == now) {
+            sym_send(text + before, now - before);
+            prefix = read;
+            read = total;
         }
-        int now = sym_detokenize(ids + start, total - start, text, sizeof text);
-        if (now >= 0 && now <= (int)sizeof text) now = sym_text_settled(text, now); /* a character still coming */
-        if (decoded >= 0 && now > decoded && now <= (int)sizeof text)
-            sym_send(text + decoded, now - decoded);
-        if (now > decoded) decoded = now;
         feed = &ids[total - 1];
         feed_len = 1;
+    }
+    if (read < total) { /* a character that never completed */
+        int before = sym_detokenize(ids + prefix, read - prefix, text, sizeof text);
+        int now = sym_detokenize(ids + prefix, total - prefix, text, sizeof text);
+        if (before >= 0 && now > before && now <= (int)sizeof text) sym_send(text + before, now - before);
     }
     sym_send("\n", 1);
     sym_kv_close(kv);

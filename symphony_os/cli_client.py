@@ -198,8 +198,7 @@ def ps(show_all, as_json, server, token):
 def kill(pid, server, token):
     """Kill one of your processes."""
     info = _calling(server, token, lambda c: c.kill(pid))
-    ended = info.get("end_reason") if isinstance(info, dict) else None
-    click.echo(f"killed {pid}" if not ended or ended.startswith("killed") else f"{pid} had already ended: {ended}")
+    click.echo(f"killed {pid}" if info.get("was_running", True) else f"{pid} had already ended: {info['end_reason']}")
 
 
 @click.group()

@@ -176,8 +176,11 @@ class AsyncClient:
         return _check(await self._http.get("/kv", params={"prefix": prefix}))
 
     async def kv_rm(self, path: str) -> dict:
-        # Quoted: a name holding ?, # or % is a name, not a query, a fragment or an escape.
-        return _check(await self._http.delete(f"/kv/{urllib.parse.quote(path, safe='/@')}"))
+        # Quoted: a name holding ?, # or % is a name, not a query, a fragment or an escape; a
+        # segment . or .. too, or the URL's normalisation would name another file.
+        segments = [urllib.parse.quote(part, safe="@").replace(".", "%2E") if part in (".", "..")
+                    else urllib.parse.quote(part, safe="@") for part in path.split("/")]
+        return _check(await self._http.delete("/kv/" + "/".join(segments)))
 
     async def kv_share(self, path: str, tenants: list[str]) -> dict:
         return _check(await self._http.post("/kv/share", json={"path": path, "tenants": tenants}))

@@ -201,9 +201,10 @@ def create_app(engine: Engine, tenants: Tenants | None = None, config: ServerCon
     @app.delete("/processes/{pid}", tags=["processes"])
     async def kill(pid: int, tenant: TenantDep, state: StateDep) -> dict:
         record = _process_or_404(state, tenant, pid)
+        was_running = record.running
         state.table.kill(record, "killed by its tenant")
         event(log, "kill requested", pid=pid, tenant=tenant.name)
-        return record.info()
+        return {**record.info(), "was_running": was_running}
 
     @app.websocket("/processes/{pid}/stream")
     async def stream(ws: WebSocket, pid: int):

@@ -224,6 +224,8 @@ def test_cli_upload_launch_ps_kill_and_kv(served, alice, tmp_path):
     assert listed.exit_code == 0 and any(line.split()[0] == str(pid) for line in listed.stdout.splitlines()[1:])
     assert runner.invoke(main, ["kill", str(pid)]).exit_code == 0
     assert wait_until(lambda: alice.inspect(pid)["state"] == "killed")
+    again = runner.invoke(main, ["kill", str(pid)])
+    assert again.exit_code == 0 and again.stdout == f"{pid} had already ended: killed by its tenant\n", again.output
     ended = alice.launch(alice.upload(lip("hello"))["sha256"], ["Once", "2"], detached=True)["pid"]
     assert wait_until(lambda: alice.inspect(ended)["state"] == "exited")
     late = runner.invoke(main, ["kill", str(ended)])
@@ -477,12 +479,13 @@ NAMED_FILES = wat('''(module
 
 def test_kv_rm_removes_only_the_file_it_names(alice):
     """The name went into the URL unquoted: `kv rm 'a?b'` removed `a`, 'keep#x' removed `keep`
-    and 'demo%2Fb' removed `demo/b`. Now each is a name of its own, and there is no such file."""
+    and 'demo%2Fb' removed `demo/b`, and . or .. segments were resolved ('x/../keep' removed
+    `keep`). Now each is a name of its own, and there is no such file."""
     result = alice.run(alice.upload(NAMED_FILES, "named-files")["sha256"])
     assert result.exit_code == 0, result.reason
     names = {"a", "keep", "demo/b"}
     assert names <= {f["path"] for f in alice.kv_ls()}
-    for name in ("a?b", "keep#x", "demo%2Fb"):
+    for name in ("a?b", "keep#x", "demo%2Fb", "demo/./b", "x/../keep", "zz/../a"):
         with pytest.raises(ServerError):
             alice.kv_rm(name)
     assert names <= {f["path"] for f in alice.kv_ls()}

@@ -113,10 +113,12 @@ static inline int sym_is_eos(int32_t token) {
     static int n = -1;
     if (n < 0) {
         n = __sym_eos_ids(first, 64);
+        if (n < 0) n = 0; /* no list: nothing ends a sequence */
         if (n > 64) {
-            ids = (int32_t *)malloc(sizeof(int32_t) * (size_t)n);
-            if (ids) n = __sym_eos_ids(ids, n);
-            else ids = first, n = 64;
+            int32_t *all = (int32_t *)malloc(sizeof(int32_t) * (size_t)n);
+            int got = all ? __sym_eos_ids(all, n) : -1;
+            if (got >= 0 && got <= n) ids = all, n = got;
+            else free(all), n = 64; /* the first 64 */
         }
     }
     for (int i = 0; i < n; i++) if (ids[i] == token) return 1;

@@ -297,8 +297,15 @@ class TextStream:
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = _settled(detokenize(self.ids))
-        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+        return self._beyond_sent(_settled(detokenize(self.ids)))
+
+    def finish(self) -> str:
+        """What push held back at the end: a character whose tokens never all came."""
+        return self._beyond_sent(detokenize(self.ids))
+
+    def _beyond_sent(self, text: str) -> str:
+        # Past what was sent (even where a later token changed earlier text: sent is sent).
+        if len(text) <= len(self.sent):
             return ""
         piece, self.sent = text[len(self.sent):], text
         return piece

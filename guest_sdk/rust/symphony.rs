@@ -496,10 +496,17 @@ impl TextStream {
     /// have not all come yet (it decodes as U+FFFD, one per byte so far, until complete).
     pub fn update(&mut self, tokens: &[u32]) -> Result<()> {
         let text = detokenize(tokens)?;
-        let settled = text.trim_end_matches('\u{FFFD}');
-        if settled.len() > self.sent {
-            send(&settled.as_bytes()[self.sent..])?;
-            self.sent = settled.len();
+        self.send_beyond(text.trim_end_matches('\u{FFFD}'))
+    }
+    /// Sends what `update` held back at the end: a character whose tokens never all came.
+    pub fn finish(&mut self, tokens: &[u32]) -> Result<()> {
+        let text = detokenize(tokens)?;
+        self.send_beyond(&text)
+    }
+    fn send_beyond(&mut self, text: &str) -> Result<()> {
+        if text.len() > self.sent {
+            send(&text.as_bytes()[self.sent..])?;
+            self.sent = text.len();
         }
         Ok(())
     }

@@ -7,11 +7,14 @@ let sent = 0;
 
 function stream(c: Context): void {
   // A character whose tokens have not all come yet decodes as U+FFFD (one per byte so far)
-  // until complete: hold it back.
+  // until complete: hold it back (finish sends it, if it never completes).
   let text = c.text();
   let end = text.length;
   while (end > 0 && text.charCodeAt(end - 1) == 0xfffd) end--;
-  text = text.substring(0, end);
+  sendBeyond(text.substring(0, end));
+}
+
+function sendBeyond(text: string): void {
   const bytes = String.UTF8.byteLength(text);
   if (bytes > sent) {
     const data = Uint8Array.wrap(String.UTF8.encode(text));
@@ -27,5 +30,6 @@ const context = Context.create();
 context.fill(prompt);
 stream(context);
 context.generate(maxTokens, null, true, stream);
+sendBeyond(context.text());
 sendText("\n");
 context.close();

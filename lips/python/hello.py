@@ -24,7 +24,7 @@ def main(args: list[str]) -> int:
             if piece:
                 symphony.send(piece)
             feed = [best]
-    symphony.send("\n")
+    symphony.send(text.finish() + "\n")
     return 0
 
 

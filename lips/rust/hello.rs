@@ -15,6 +15,7 @@ fn run() -> Result<()> {
     let mut stream = TextStream::new();
     stream.update(&context.tokens)?;
     context.generate_until(&Sampler::Argmax, max_tokens, |c, _| drop(stream.update(&c.tokens)), |_| false)?;
+    stream.finish(&context.tokens)?;
     symphony::send_str("\n")
 }
 

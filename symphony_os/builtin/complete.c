@@ -59,7 +59,7 @@ static int vocab;
    a first token keeps its leading space (decoded alone, a sentencepiece token loses it).
    symphony_os/completion.py's BranchText takes the text the same way. */
 static int32_t context_token;
-static char context_text[256];
+static char context_text[1 << 16];
 static int context_len = -1; /* -1: decode branches alone */
 
 static void send_words(const int32_t *words, int n) { sym_send((const char *)words, 4 * n); }

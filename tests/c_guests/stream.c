@@ -1,5 +1,6 @@
-/* Streams its argument's tokens, one more token each time, sending only settled text
- * (sym_text_settled): what it sends, joined, must be the argument itself. */
+/* Streams its argument's tokens one at a time as lips/hello.c streams what it generates (the
+ * text beyond the last whole chunk, a character held back until its tokens have all come):
+ * what it sends, joined, must be the argument itself. */
 #include "symphony.h"
 
 static int32_t ids[4096];
@@ -8,13 +9,20 @@ static char text[1 << 16];
 int main(int argc, char **argv) {
     int n = sym_tokenize(argc > 1 ? argv[1] : "", ids, 4096);
     if (n < 0 || n > 4096) return 1;
-    int sent = 0;
-    for (int end = 1; end <= n; end++) {
-        int len = sym_detokenize(ids, end, text, sizeof text);
-        if (len < 0 || len > (int)sizeof text) return 1;
-        len = sym_text_settled(text, len);
-        if (len > sent) sym_send(text + sent, len - sent);
-        if (len > sent) sent = len;
+    int prefix = 0, read = 0;
+    for (int total = 1; total <= n; total++) {
+        int before = sym_detokenize(ids + prefix, read - prefix, text, sizeof text);
+        int now = sym_detokenize(ids + prefix, total - prefix, text, sizeof text);
+        if (before >= 0 && now > before && now <= (int)sizeof text && sym_text_settled(text, now) == now) {
+            sym_send(text + before, now - before);
+            prefix = read;
+            read = total;
+        }
+    }
+    if (read < n) {
+        int before = sym_detokenize(ids + prefix, read - prefix, text, sizeof text);
+        int now = sym_detokenize(ids + prefix, n - prefix, text, sizeof text);
+        if (before >= 0 && now > before && now <= (int)sizeof text) sym_send(text + before, now - before);
     }
     return 0;
 }

@@ -6,7 +6,7 @@ Usage: misbehave MODE
   calls N - times N cheap host calls of each kind; sends `call=microseconds` lines
   limits  - runs into the per-process limits (run it with small ones): sends `check=outcome` lines
   sleep   - sends `sleeping`, then calls time.sleep (a LIP cannot wait on a timer: it traps)
-  stream TEXT - sends TEXT's tokens through TextStream, one token at a time
+  stream TEXT - sends TEXT's tokens through TextStream, one token at a time (stream-ids: ids a,b,c)
   exit [CODE|MESSAGE] - sys.exit() with nothing, a code or a message"""
 import sys
 import time
@@ -117,10 +117,12 @@ def main(args: list[str]) -> int:
         limits()
     elif mode == "calls":
         calls(int(args[1]))
-    elif mode == "stream":  # args[1]'s tokens through TextStream, one at a time
+    elif mode in ("stream", "stream-ids"):  # args[1]'s tokens (or ids) through TextStream, one at a time
         stream = symphony.TextStream()
-        for token in symphony.tokenize(args[1]):
+        ids = symphony.tokenize(args[1]) if mode == "stream" else [int(i) for i in args[1].split(",")]
+        for token in ids:
             symphony.send(stream.push(token))
+        symphony.send(stream.finish())
     elif mode == "exit":  # sys.exit(args[1]): nothing, an int or a message
         sys.exit(None if len(args) < 2 else int(args[1]) if args[1].isdigit() else args[1])
     elif mode == "sleep":
