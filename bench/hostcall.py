@@ -120,15 +120,18 @@ def null_model_rounds(model_dir: Path, processes: int, rounds: int, in_caller: b
                 batches=stats.batches, mean_batch_size=stats.mean_batch_size)
 
 
+WINDOW = 8  # lips/hello.c: about how many tokens of context it decodes a token
+
+
 def api_decode(engine: Engine, prompts: list[list[int]], new_tokens: int,
                like_hello: bool = False) -> tuple[float, list[list[int]]]:
     """Greedy decoding through the Python API. `like_hello` does hello's own work too: the full
     distribution per token, argmax of it, and the text it adds, decoded as hello streams it (from
-    the last whole chunk of text on, as vLLM's detokenizer: two short decodes a token)."""
+    a recent token on, which moves up every WINDOW tokens to one that starts a character)."""
     kv = engine.session()
     handles = [kv.create() for _ in prompts]
     feeds, out, live = [list(p) for p in prompts], [[] for _ in prompts], set(range(len(prompts)))
-    offsets = [(max(0, len(p) - 1), len(p)) for p in prompts]  # hello's (prefix, read)
+    streams = [[max(0, len(p) - 1)] * 2 + [len(engine.detokenize(p[-1:]))] for p in prompts]  # prefix, mark, sent
     eos = set(engine.loaded.eos_token_ids)
     started = time.perf_counter()
     for _ in range(new_tokens):
@@ -140,11 +143,17 @@ def api_decode(engine: Engine, prompts: list[list[int]], new_tokens: int,
             token = int(result.probs.argmax()) if like_hello else result.token
             if like_hello:
                 ids = prompts[i] + out[i] + [token]
-                prefix, read = offsets[i]
-                before, text = engine.detokenize(ids[prefix:read]), engine.detokenize(ids[prefix:])
-                if len(text) > len(before) and not text.endswith("\ufffd"):
-                    text[len(before):]  # the new text, to stream
-                    offsets[i] = (read, len(ids))
+                prefix, mark, sent = streams[i]
+                text = engine.detokenize(ids[prefix:])
+                settled = text.rstrip("\ufffd")
+                settled[sent:]  # the new text, to stream
+                sent = max(sent, len(settled))
+                if len(settled) == len(text):
+                    if len(ids) - prefix >= 2 * WINDOW:
+                        prefix = mark
+                        sent = len(engine.detokenize(ids[prefix:]))
+                    mark = len(ids)
+                streams[i] = [prefix, mark, sent]
             if token in eos:
                 live.discard(i)
             else:

@@ -1,28 +1,38 @@
-/* Streams its argument's tokens one at a time as lips/hello.c streams what it generates (the
- * text beyond the last whole chunk, a character held back until its tokens have all come):
- * what it sends, joined, must be the argument itself. */
+/* Streams its argument's tokens one at a time exactly as lips/hello.c streams what it generates
+ * (its loop, with the tokens given instead of predicted): what it sends, joined, must be what
+ * one decode of them gives. */
 #include "symphony.h"
+
+#define WINDOW 8
 
 static int32_t ids[4096];
 static char text[1 << 16];
 
 int main(int argc, char **argv) {
     int n = sym_tokenize(argc > 1 ? argv[1] : "", ids, 4096);
-    if (n < 0 || n > 4096) return 1;
-    int prefix = 0, read = 0;
-    for (int total = 1; total <= n; total++) {
-        int before = sym_detokenize(ids + prefix, read - prefix, text, sizeof text);
-        int now = sym_detokenize(ids + prefix, total - prefix, text, sizeof text);
-        if (before >= 0 && now > before && now <= (int)sizeof text && sym_text_settled(text, now) == now) {
-            sym_send(text + before, now - before);
-            prefix = read;
-            read = total;
+    if (n < 1 || n > 4096) return 1;
+    /* The first token plays the prompt (sent whole), the rest the generated tokens. */
+    int total = 1, prefix = 0, mark = 0;
+    int sent = sym_detokenize(ids, 1, text, sizeof text), now = sent;
+    sym_send(text, sent);
+    while (total < n && sent >= 0) {
+        total++;
+        now = sym_detokenize(ids + prefix, total - prefix, text, sizeof text);
+        if (now < 0 || now > (int)sizeof text) break;
+        int settled = sym_text_settled(text, now);
+        if (settled > sent) sym_send(text + sent, settled - sent);
+        if (settled > sent) sent = settled;
+        if (settled == now) {
+            if (total - prefix >= 2 * WINDOW) {
+                prefix = mark;
+                sent = now = sym_detokenize(ids + prefix, total - prefix, text, sizeof text);
+            }
+            mark = total;
         }
     }
-    if (read < n) {
-        int before = sym_detokenize(ids + prefix, read - prefix, text, sizeof text);
-        int now = sym_detokenize(ids + prefix, n - prefix, text, sizeof text);
-        if (before >= 0 && now > before && now <= (int)sizeof text) sym_send(text + before, now - before);
+    if (sent >= 0 && now > sent) {
+        now = sym_detokenize(ids + prefix, total - prefix, text, sizeof text);
+        if (now > sent && now <= (int)sizeof text) sym_send(text + sent, now - sent);
     }
     return 0;
 }
