@@ -7,7 +7,6 @@
 #include "symphony.h"
 
 #define MAX_IDS 4096
-#define WINDOW 8 /* about how many tokens of context are decoded to stream each new one */
 
 static int32_t ids[MAX_IDS];
 static float dist[1 << 18];
@@ -31,15 +30,9 @@ int main(int argc, char **argv) {
     sym_send(text, printed < (int)sizeof text ? printed : (int)sizeof text);
     const int32_t *feed = ids;
     int feed_len = n, total = n;
-    /* Streaming: the text from ids[prefix] on, decoded, of which `sent` bytes went out. Decoding
-       from a recent token gives a new token its context (spaces, byte pieces) at the cost of a
-       few tokens, not of the whole text. Every WINDOW tokens `prefix` moves up to `mark`, an
-       earlier token that starts a character (the text before it decoded whole). A character
-       whose tokens have not all come decodes as U+FFFD until complete: it is held back (and
-       sent at the end, if it never completes). */
-    int prefix = n > 0 ? n - 1 : 0, mark = prefix;
-    int sent = sym_detokenize(ids + prefix, n - prefix, text, sizeof text), now = sent;
-    for (int step = 0; step < max_tokens && sent >= 0; step++) {
+    sym_stream stream; /* the text of each new token, in context (symphony.h) */
+    if (sym_stream_start(&stream, ids, n, text, sizeof text) < 0) return 1;
+    for (int step = 0; step < max_tokens; step++) {
         int got = sym_pred(kv, feed, NULL, feed_len, dist, vocab);
         if (got < 0) {
             fprintf(stderr, "hello: pred failed with %d\n", got);
@@ -48,25 +41,11 @@ int main(int argc, char **argv) {
         int32_t best = sym_argmax(dist, vocab);
         if (sym_is_eos(best)) break;
         ids[total++] = best;
-        now = sym_detokenize(ids + prefix, total - prefix, text, sizeof text);
-        if (now < 0 || now > (int)sizeof text) break;
-        int settled = sym_text_settled(text, now);
-        if (settled > sent) sym_send(text + sent, settled - sent);
-        if (settled > sent) sent = settled;
-        if (settled == now) { /* whole: a character starts at ids[total] */
-            if (total - prefix >= 2 * WINDOW) {
-                prefix = mark;
-                sent = now = sym_detokenize(ids + prefix, total - prefix, text, sizeof text);
-            }
-            mark = total;
-        }
+        if (sym_stream_push(&stream, ids, total) < 0) return 1;
         feed = &ids[total - 1];
         feed_len = 1;
     }
-    if (sent >= 0 && now > sent) { /* a character that never completed */
-        now = sym_detokenize(ids + prefix, total - prefix, text, sizeof text);
-        if (now > sent && now <= (int)sizeof text) sym_send(text + sent, now - sent);
-    }
+    if (sym_stream_finish(&stream, ids, total) < 0) return 1;
     sym_send("\n", 1);
     sym_kv_close(kv);
     return 0;

@@ -137,3 +137,18 @@ def test_c_top_k_takes_any_k_the_host_serves(runtime, tmp_path, k):
     expected = engine.pred(kv, kv.create(), engine.tokenize("Once upon a time"), want=TopK(k)).top_ids
     kv.close_all()
     assert [list(struct.unpack(f"<{k}i", chunk)) for chunk in out] == [list(expected)] * 2
+
+
+def test_c_stream_goes_on_well_after_byte_pieces(runtime, tmp_path):
+    """Two cases of byte-fallback tokens (a run of them decodes whole only once valid): a prompt
+    ending in a character of byte tokens, continued by more of them, was decoded from that
+    character's last byte and garbled for good; a stray byte after a whole character sent from
+    inside a U+FFFD, not from a character's start."""
+    engine, stream = runtime.engine, STREAMERS["c"](tmp_path)
+    prompt = engine.tokenize("Once upon a time there was 日", add_special_tokens=False)
+    ids = engine.tokenize("Once upon a time there was 日中漢語文", add_special_tokens=False)
+    assert ids[:len(prompt)] == prompt and engine.detokenize(prompt[-1:]) == "\ufffd"
+    assert run(runtime, stream, ["--ids", ",".join(map(str, ids)), str(len(prompt))]) == engine.detokenize(ids)
+    piece, stray = engine.tokenize("a 中", add_special_tokens=False), engine.tokenize("a ok", add_special_tokens=False)
+    out = run(runtime, stream, ["--ids", ",".join(map(str, piece + [131] + stray))])  # 131: a lone continuation byte
+    assert out.endswith(engine.detokenize(stray)[1:])  # valid UTF-8 (run() decodes it), and the text after

@@ -284,6 +284,65 @@ static inline int32_t sym_argmax(const float *dist, int n) {
 /* I/O with the process's user */
 static inline int sym_send(const char *msg, int len) { return __sym_send(msg, len); }
 static inline int sym_send_str(const char *msg) { return __sym_send(msg, (int32_t)strlen(msg)); }
+
+/* Streaming text as tokens come (TextStream in the Python and Rust SDKs). Each push decodes the
+   tokens from a recent one on (`prefix`: the context that gives a token its spaces and byte
+   pieces, at the cost of a few tokens, not of the whole text) and sends the settled bytes not
+   sent yet. Every SYM_STREAM_WINDOW tokens the prefix moves up to a token that starts a
+   character. `text` (cap bytes) is the caller's buffer for the decodes. */
+#define SYM_STREAM_WINDOW 8
+typedef struct { int prefix, mark, sent, now, cap; char *text; } sym_stream;
+
+/* Start after ids[0..n) (a prompt, already shown): the stream sends only what follows. */
+static inline int sym_stream_start(sym_stream *s, const int32_t *ids, int n, char *text, int cap) {
+    s->text = text, s->cap = cap, s->prefix = n;
+    /* The latest of the last few tokens that starts a character (a decode from a byte token
+       inside a character would begin with U+FFFD, and garble a character that continues it). */
+    for (int k = n - 1; k >= 0 && k >= n - SYM_STREAM_WINDOW; k--) {
+        int len = sym_detokenize(ids + k, n - k, text, cap);
+        if (len < 0) return len;
+        s->prefix = k;
+        if (!(len >= 3 && len <= cap && memcmp(text, "\xEF\xBF\xBD", 3) == 0)) break;
+    }
+    s->mark = s->prefix;
+    s->sent = s->now = sym_detokenize(ids + s->prefix, n - s->prefix, text, cap);
+    return s->sent < 0 ? s->sent : 0;
+}
+
+/* ids[0..total) now: send what is new and settled. */
+static inline int sym_stream_push(sym_stream *s, const int32_t *ids, int total) {
+    s->now = sym_detokenize(ids + s->prefix, total - s->prefix, s->text, s->cap);
+    if (s->now < 0) return s->now;
+    if (s->now > s->cap) return SYM_ETOOSMALL;
+    int settled = sym_text_settled(s->text, s->now);
+    /* A byte token can turn earlier text into U+FFFD: what was sent stays sent; go on from a
+       character's start, never from inside one. */
+    while (s->sent < settled && (s->text[s->sent] & 0xC0) == 0x80) s->sent++;
+    if (settled > s->sent) {
+        int rc = sym_send(s->text + s->sent, settled - s->sent);
+        if (rc < 0) return rc;
+        s->sent = settled;
+    }
+    if (settled == s->now) { /* whole: a character starts at ids[total] */
+        if (total - s->prefix >= 2 * SYM_STREAM_WINDOW) {
+            s->prefix = s->mark;
+            s->sent = s->now = sym_detokenize(ids + s->prefix, total - s->prefix, s->text, s->cap);
+            if (s->now < 0) return s->now;
+        }
+        s->mark = total;
+    }
+    return 0;
+}
+
+/* The end: send what was held back (a character whose tokens never all came). */
+static inline int sym_stream_finish(sym_stream *s, const int32_t *ids, int total) {
+    s->now = sym_detokenize(ids + s->prefix, total - s->prefix, s->text, s->cap);
+    if (s->now < 0 || s->now > s->cap) return s->now < 0 ? s->now : SYM_ETOOSMALL;
+    while (s->sent < s->now && (s->text[s->sent] & 0xC0) == 0x80) s->sent++;
+    int rc = s->now > s->sent ? sym_send(s->text + s->sent, s->now - s->sent) : 0;
+    s->sent = s->now;
+    return rc < 0 ? rc : 0;
+}
 /* Blocks for the next message; returns its length, SYM_ETOOSMALL (kept) or SYM_ECLOSED. */
 static inline int sym_recv(char *buf, int cap) { return __sym_recv(buf, cap); }
 

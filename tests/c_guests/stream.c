@@ -1,38 +1,29 @@
-/* Streams its argument's tokens one at a time exactly as lips/hello.c streams what it generates
- * (its loop, with the tokens given instead of predicted): what it sends, joined, must be what
- * one decode of them gives. */
+/* Streams a text's tokens as lips/hello.c streams what it generates (sym_stream): the first K
+ * tokens (argv[2], default 1) play the prompt, sent whole; the rest come one at a time. Usage:
+ * stream TEXT [K], or stream --ids 1,2,3 [K]. What it sends, joined, must be one decode of all. */
+#include <stdlib.h>
+#include <string.h>
 #include "symphony.h"
-
-#define WINDOW 8
 
 static int32_t ids[4096];
 static char text[1 << 16];
 
 int main(int argc, char **argv) {
-    int n = sym_tokenize(argc > 1 ? argv[1] : "", ids, 4096);
-    if (n < 1 || n > 4096) return 1;
-    /* The first token plays the prompt (sent whole), the rest the generated tokens. */
-    int total = 1, prefix = 0, mark = 0;
-    int sent = sym_detokenize(ids, 1, text, sizeof text), now = sent;
-    sym_send(text, sent);
-    while (total < n && sent >= 0) {
-        total++;
-        now = sym_detokenize(ids + prefix, total - prefix, text, sizeof text);
-        if (now < 0 || now > (int)sizeof text) break;
-        int settled = sym_text_settled(text, now);
-        if (settled > sent) sym_send(text + sent, settled - sent);
-        if (settled > sent) sent = settled;
-        if (settled == now) {
-            if (total - prefix >= 2 * WINDOW) {
-                prefix = mark;
-                sent = now = sym_detokenize(ids + prefix, total - prefix, text, sizeof text);
-            }
-            mark = total;
-        }
+    int n = 0;
+    if (argc > 2 && strcmp(argv[1], "--ids") == 0) {
+        for (char *at = argv[2]; *at && n < 4096; at = *at ? at + 1 : at) ids[n++] = (int32_t)strtol(at, &at, 10);
+        argv += 1, argc -= 1;
+    } else {
+        n = sym_tokenize(argc > 1 ? argv[1] : "", ids, 4096);
     }
-    if (sent >= 0 && now > sent) {
-        now = sym_detokenize(ids + prefix, total - prefix, text, sizeof text);
-        if (now > sent && now <= (int)sizeof text) sym_send(text + sent, now - sent);
-    }
-    return 0;
+    int k = argc > 2 ? atoi(argv[2]) : 1;
+    if (n < 1 || n > 4096 || k < 1 || k > n) return 1;
+    int shown = sym_detokenize(ids, k, text, sizeof text);
+    if (shown < 0 || shown > (int)sizeof text) return 1;
+    sym_send(text, shown);
+    sym_stream stream;
+    if (sym_stream_start(&stream, ids, k, text, sizeof text) < 0) return 1;
+    for (int total = k + 1; total <= n; total++)
+        if (sym_stream_push(&stream, ids, total) < 0) return 1;
+    return sym_stream_finish(&stream, ids, n) < 0;
 }
