@@ -120,7 +120,18 @@ def null_model_rounds(model_dir: Path, processes: int, rounds: int, in_caller: b
                 batches=stats.batches, mean_batch_size=stats.mean_batch_size)
 
 
-WINDOW = 8  # lips/hello.c: about how many tokens of context it decodes a token
+WINDOW = 8  # SYM_STREAM_WINDOW (guest_sdk/c/symphony.h), as lips/hello.c streams
+
+
+def _stream_start(engine: Engine, prompt: list[int]) -> list[int]:
+    """sym_stream_start's (prefix, mark, sent): from the latest of the prompt's last WINDOW
+    tokens whose decode does not begin with U+FFFD."""
+    prefix = len(prompt)
+    for k in range(len(prompt) - 1, max(-1, len(prompt) - 1 - WINDOW), -1):
+        prefix = k
+        if not engine.detokenize(prompt[k:]).startswith("\ufffd"):
+            break
+    return [prefix, prefix, len(engine.detokenize(prompt[prefix:]))]
 
 
 def api_decode(engine: Engine, prompts: list[list[int]], new_tokens: int,
@@ -131,7 +142,7 @@ def api_decode(engine: Engine, prompts: list[list[int]], new_tokens: int,
     kv = engine.session()
     handles = [kv.create() for _ in prompts]
     feeds, out, live = [list(p) for p in prompts], [[] for _ in prompts], set(range(len(prompts)))
-    streams = [[max(0, len(p) - 1)] * 2 + [len(engine.detokenize(p[-1:]))] for p in prompts]  # prefix, mark, sent
+    streams = [_stream_start(engine, p) for p in prompts]  # prefix, mark, sent
     eos = set(engine.loaded.eos_token_ids)
     started = time.perf_counter()
     for _ in range(new_tokens):
