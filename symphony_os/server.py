@@ -37,6 +37,7 @@ from .logs import event, redact_tokens_in_uvicorn_logs
 from .metrics import render_metrics
 from .openai_api import router as openai_router
 from .process_table import AlreadyAttached, FrameBuffer, ProcessTable, ServedProcess
+from .process import INBOX_BYTES
 from .program import ProgramError
 from .program_store import ProgramStore, StoredProgram
 from .runtime import Runtime
@@ -44,6 +45,7 @@ from .server_state import UPLOADS_IN_PROGRESS_PER_TENANT, ServerConfig, ServerSt
 from .tenants import QuotaExceeded, Tenant, Tenants
 
 log = logging.getLogger("symphony.server")
+INPUT_RETRY_S = 0.01  # how often a message for a full inbox looks again
 
 MAX_ARGS = 256
 MAX_ARG_BYTES = 64 * 1024
@@ -223,7 +225,7 @@ def create_app(engine: Engine, tenants: Tenants | None = None, config: ServerCon
         except AlreadyAttached as error:
             await ws.close(4409, str(error))
             return
-        await _stream_process(ws, state.table, record, frames)
+        await _stream_process(ws, state.table, record, frames, state.config.input_wait_s)
 
     # ---- KV files ----
 
@@ -271,7 +273,22 @@ def create_app(engine: Engine, tenants: Tenants | None = None, config: ServerCon
     return app
 
 
-async def _stream_process(ws: WebSocket, table: ProcessTable, record: ServedProcess, frames: FrameBuffer) -> None:
+async def _deliver(process, data: bytes, wait_s: float) -> None:
+    """Give `data` to the process's recv. While its inbox is full, wait for it to read (up to
+    `wait_s`: meanwhile this client's frames are not read, which holds its sender back), then
+    raise LimitExceeded; a message larger than the whole inbox is refused at once."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return process.deliver(data)
+        except LimitExceeded:
+            if len(data) > INBOX_BYTES or time.monotonic() >= deadline:
+                raise
+        await asyncio.sleep(INPUT_RETRY_S)
+
+
+async def _stream_process(ws: WebSocket, table: ProcessTable, record: ServedProcess, frames: FrameBuffer,
+                          input_wait_s: float) -> None:
     """Frames out until the process's exit frame; client frames in until it leaves."""
     async def pump() -> None:
         while True:
@@ -305,7 +322,7 @@ async def _stream_process(ws: WebSocket, table: ProcessTable, record: ServedProc
             if kind == "input" and isinstance(frame.get("data"), (bytes, str)):
                 data = frame["data"]
                 try:
-                    record.process.deliver(data.encode() if isinstance(data, str) else data)
+                    await _deliver(record.process, data.encode() if isinstance(data, str) else data, input_wait_s)
                 except (InputClosed, LimitExceeded) as error:
                     frames.push({"type": "error", "message": f"input refused: {error}"})
             elif kind == "close_input":

@@ -33,6 +33,7 @@ class ServerConfig:
     workers: int = 1  # scheduler threads polling LIP processes
     limits: ProcessLimits = ProcessLimits()  # each process's, before its tenant's quotas (tenants.py)
     compile_time_s: float = 30.0  # an upload whose compilation takes longer is refused
+    input_wait_s: float = 30.0  # a message for a full inbox waits this long for the process to read
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """A real `symphony serve` app on a loopback port, for the server tests: uvicorn on a thread of
 the test process, serving the stories260K model to seven tenants (alice, bob, carol and dave
 without quotas, `tight` with small ones, `small` with room for a few short completions, `terse`
-with little output per process), with a one-second grace period."""
+with little output per process), with a one-second grace period and input for a full inbox
+waiting two seconds."""
 from __future__ import annotations
 
 import threading
@@ -22,6 +23,7 @@ TERSE_QUOTAS = dict(output_bytes=4000)
 QUOTAS = {"tight": TIGHT_QUOTAS, "small": SMALL_QUOTAS, "terse": TERSE_QUOTAS}
 GRACE_S = 1.0
 MAX_UPLOAD_BYTES = 1 << 20
+INPUT_WAIT_S = 2.0  # a message for a full inbox waits this long (30 s by default)
 
 
 @dataclass
@@ -44,7 +46,8 @@ def served(stories_path, tmp_path_factory):
     directory = tmp_path_factory.mktemp("serve")
     (directory / "tenants.toml").write_text(tenants_toml())
     engine = Engine.from_path(stories_path, device="cpu", page_size=16, num_pages=4096)
-    config = ServerConfig(grace_s=GRACE_S, data_dir=directory / "programs", max_upload_bytes=MAX_UPLOAD_BYTES)
+    config = ServerConfig(grace_s=GRACE_S, data_dir=directory / "programs", max_upload_bytes=MAX_UPLOAD_BYTES,
+                          input_wait_s=INPUT_WAIT_S)
     app = create_app(engine, Tenants.from_file(directory / "tenants.toml"), config)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)

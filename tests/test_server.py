@@ -21,7 +21,7 @@ from served import GRACE_S, MAX_UPLOAD_BYTES, TOKENS, served, wait_until  # noqa
 from symphony_os.cli import main
 from symphony_os.client import AsyncClient, Client, ServerError
 from symphony_os.errors import InputClosed
-from symphony_os.process import INBOX_BYTES
+from symphony_os.process import INBOX_BYTES, INBOX_MESSAGES
 from symphony_os.process_table import BUFFER_BYTES, LOG_TAIL_CHARS
 from symphony_os.server import _stream_process
 
@@ -491,3 +491,28 @@ def test_kv_rm_removes_only_the_file_it_names(alice):
     assert names <= {f["path"] for f in alice.kv_ls()}
     for name in names:
         alice.kv_rm(name)
+
+
+# Computes for a while, then sends back each message it receives, until its input closes.
+SLOW_ECHO = wat('''(module
+  (import "symphony" "recv" (func $recv (param i32 i32) (result i32)))
+  (import "symphony" "send" (func $send (param i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (func (export "_start") (local $n i32) (local $i i32)
+    (loop $spin (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br_if $spin (i32.lt_u (local.get $i) (i32.const 300000000))))
+    (block $done (loop $next
+      (local.set $n (call $recv (i32.const 0) (i32.const 1024)))
+      (br_if $done (i32.lt_s (local.get $n) (i32.const 0)))
+      (drop (call $send (i32.const 0) (local.get $n)))
+      (br $next)))))''')
+
+
+def test_input_for_a_full_inbox_waits_for_the_program_to_read(alice):
+    """More messages than an inbox holds (INBOX_MESSAGES), sent before the program reads any: the
+    ones past the limit were refused, and lost (`symphony launch` printed nothing of it). Now the
+    server waits for the program to read (reading no more from that client meanwhile)."""
+    messages = [f"{i:05d}" for i in range(INBOX_MESSAGES + 500)]
+    result = alice.run(alice.upload(SLOW_ECHO, "slow-echo")["sha256"], messages=messages)
+    assert (result.exit_code, result.reason) == (0, "exit 0")
+    assert result.output.decode() == "".join(messages)
