@@ -17,7 +17,7 @@ import websockets
 from click.testing import CliRunner
 
 from guests import lip, wat
-from served import GRACE_S, MAX_UPLOAD_BYTES, TOKENS, served, wait_until  # noqa: F401 (fixture)
+from served import GRACE_S, INPUT_WAIT_S, MAX_UPLOAD_BYTES, TOKENS, served, wait_until  # noqa: F401 (fixture)
 from symphony_os.cli import main
 from symphony_os.client import AsyncClient, Client, ServerError
 from symphony_os.errors import InputClosed
@@ -336,8 +336,8 @@ def test_a_client_leaving_while_the_exit_frame_is_sent_leaves_it_for_the_next(se
 
     async def twice():
         first, second = Socket(slow=True), Socket(slow=False)
-        await _stream_process(first, table, record, table.attach(record))
-        await asyncio.wait_for(_stream_process(second, table, record, table.attach(record)), 30)
+        await _stream_process(first, table, record, table.attach(record), INPUT_WAIT_S)
+        await asyncio.wait_for(_stream_process(second, table, record, table.attach(record), INPUT_WAIT_S), 30)
         return first.sent, second.sent
 
     try:
