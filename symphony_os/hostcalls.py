@@ -18,9 +18,9 @@ from .errors import (BadHandle, BufferTooSmall, ErrorCode, InputClosed, InvalidA
 from .guest_memory import GuestMemory
 from .limits import check_kv_pages
 from .pred_future import PredFuture
-from .scheduler import PredRequest
 from .prefix_cache import PrefixCache, TrackedFile
 from .sampling import GREEDY, Distribution, GreedyEach, Sample, TopK, Want
+from .scheduler import PredRequest
 
 if TYPE_CHECKING:
     from .process import Process

@@ -36,8 +36,8 @@ from .errors import FileNotFound, InputClosed, InvalidArgument, LimitExceeded, P
 from .logs import event, redact_tokens_in_uvicorn_logs
 from .metrics import render_metrics
 from .openai_api import router as openai_router
-from .process_table import AlreadyAttached, FrameBuffer, ProcessTable, ServedProcess
 from .process import INBOX_BYTES
+from .process_table import AlreadyAttached, FrameBuffer, ProcessTable, ServedProcess
 from .program import ProgramError
 from .program_store import ProgramStore, StoredProgram
 from .runtime import Runtime

@@ -32,6 +32,27 @@ def wat(text: str) -> bytes:
     return bytes(wasmtime.wat2wasm(text))
 
 
+def echo_guest(spin: int = 0) -> bytes:
+    """A module that sends back each message it receives until its input closes (messages up
+    to 1 KiB); with `spin`, it first counts to that many, so that messages queue up unread."""
+    computing = f"""(loop $spin (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br_if $spin (i32.lt_u (local.get $i) (i32.const {spin}))))""" if spin else ""
+    return wat(f'''(module
+  (import "symphony" "recv" (func $recv (param i32 i32) (result i32)))
+  (import "symphony" "send" (func $send (param i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (func (export "_start") (local $n i32) {"(local $i i32)" if spin else ""}
+    {computing}
+    (block $done (loop $next
+      (local.set $n (call $recv (i32.const 0) (i32.const 1024)))
+      (br_if $done (i32.lt_s (local.get $n) (i32.const 0)))
+      (drop (call $send (i32.const 0) (local.get $n)))
+      (br $next)))))''')
+
+
+ECHO = echo_guest()
+
+
 def build_with_make(program: Path, toolchain: str) -> Path:
     """A Rust or AssemblyScript program (lips/rust/, lips/as/, tests/rust_guests/, tests/as_guests/)
     built through `make` (which installs the toolchain: Debian's rustc, or asc from npm); skips,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from guests import lip, wat
+from guests import ECHO, lip, wat
 from symphony_os import engine as engine_module
 from symphony_os.cli import main
 from symphony_os.engine import Engine
@@ -284,19 +284,6 @@ def test_bad_modules_are_refused_with_one_line(tiny_engine, case, tmp_path):
     path.write_bytes(data)
     result = CliRunner().invoke(main, ["run", "--model", str(tiny_engine.loaded.path), str(path)])
     assert result.exit_code == 2 and message.split()[0] in result.output
-
-
-# Sends back each message it receives, until its input closes.
-ECHO = wat('''(module
-  (import "symphony" "recv" (func $recv (param i32 i32) (result i32)))
-  (import "symphony" "send" (func $send (param i32 i32) (result i32)))
-  (memory (export "memory") 1)
-  (func (export "_start") (local $n i32)
-    (block $done (loop $next
-      (local.set $n (call $recv (i32.const 0) (i32.const 1024)))
-      (br_if $done (i32.lt_s (local.get $n) (i32.const 0)))
-      (drop (call $send (i32.const 0) (local.get $n)))
-      (br $next)))))''')
 
 
 def test_symphony_run_gives_stdin_lines_as_bytes_and_ends_input_at_a_line_too_long(tiny_engine, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 import websockets
 from click.testing import CliRunner
 
-from guests import lip, wat
+from guests import ECHO, echo_guest, lip, wat
 from served import GRACE_S, INPUT_WAIT_S, MAX_UPLOAD_BYTES, TOKENS, served, wait_until  # noqa: F401 (fixture)
 from symphony_os.cli import main
 from symphony_os.client import AsyncClient, Client, ServerError
@@ -24,17 +24,6 @@ from symphony_os.errors import InputClosed
 from symphony_os.process import INBOX_BYTES, INBOX_MESSAGES
 from symphony_os.process_table import BUFFER_BYTES, LOG_TAIL_CHARS
 from symphony_os.server import _stream_process
-
-ECHO = wat('''(module
-  (import "symphony" "recv" (func $recv (param i32 i32) (result i32)))
-  (import "symphony" "send" (func $send (param i32 i32) (result i32)))
-  (memory (export "memory") 1)
-  (func (export "_start") (local $n i32)
-    (block $done (loop $next
-      (local.set $n (call $recv (i32.const 0) (i32.const 1024)))
-      (br_if $done (i32.lt_s (local.get $n) (i32.const 0)))
-      (drop (call $send (i32.const 0) (local.get $n)))
-      (br $next)))))''')
 
 # Fills a KV file with 40 tokens (3 pages), says "ready", then waits for a message.
 HOLD_KV = wat('''(module
@@ -494,18 +483,7 @@ def test_kv_rm_removes_only_the_file_it_names(alice):
 
 
 # Computes for a while, then sends back each message it receives, until its input closes.
-SLOW_ECHO = wat('''(module
-  (import "symphony" "recv" (func $recv (param i32 i32) (result i32)))
-  (import "symphony" "send" (func $send (param i32 i32) (result i32)))
-  (memory (export "memory") 1)
-  (func (export "_start") (local $n i32) (local $i i32)
-    (loop $spin (local.set $i (i32.add (local.get $i) (i32.const 1)))
-      (br_if $spin (i32.lt_u (local.get $i) (i32.const 300000000))))
-    (block $done (loop $next
-      (local.set $n (call $recv (i32.const 0) (i32.const 1024)))
-      (br_if $done (i32.lt_s (local.get $n) (i32.const 0)))
-      (drop (call $send (i32.const 0) (local.get $n)))
-      (br $next)))))''')
+SLOW_ECHO = echo_guest(spin=300_000_000)
 
 
 def test_input_for_a_full_inbox_waits_for_the_program_to_read(alice):

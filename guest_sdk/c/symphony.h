@@ -104,7 +104,6 @@ SYM_IMPORT(tool) int32_t __sym_tool(const char *name, int32_t name_len, const ch
 static inline int sym_vocab_size(void) { return __sym_vocab_size(); }
 /* The first end-of-sequence id. */
 static inline int32_t sym_eos(void) { int32_t id = -1; int n = __sym_eos_ids(&id, 1); return n > 0 ? id : (n < 0 ? n : SYM_EUNSUPPORTED); }
-/* Is `token` one of the model's end-of-sequence ids? (The ids are asked once, then kept.) */
 /* Whether `token` ends a sequence: any of the model's end-of-sequence ids (read once; a model
    may have more than fit the first buffer). */
 static inline int sym_is_eos(int32_t token) {
@@ -135,8 +134,9 @@ static inline int sym_detokenize(const int32_t *ids, int n, char *out, int cap) 
 /* For streaming: the bytes of decoded text `text[0..len)` that are settled. A character whose
    tokens have not all come yet decodes as U+FFFD (EF BF BD), one per byte so far, and becomes
    itself once complete: hold such a tail back until it does. */
+static inline int __sym_replacement_at(const char *text) { return memcmp(text, "\xEF\xBF\xBD", 3) == 0; }
 static inline int sym_text_settled(const char *text, int len) {
-    while (len >= 3 && memcmp(text + len - 3, "\xEF\xBF\xBD", 3) == 0) len -= 3;
+    while (len >= 3 && __sym_replacement_at(text + len - 3)) len -= 3;
     return len;
 }
 
@@ -302,11 +302,22 @@ static inline int sym_stream_start(sym_stream *s, const int32_t *ids, int n, cha
         int len = sym_detokenize(ids + k, n - k, text, cap);
         if (len < 0) return len;
         s->prefix = k;
-        if (!(len >= 3 && len <= cap && memcmp(text, "\xEF\xBF\xBD", 3) == 0)) break;
+        if (!(len >= 3 && len <= cap && __sym_replacement_at(text))) break;
     }
     s->mark = s->prefix;
     s->sent = s->now = sym_detokenize(ids + s->prefix, n - s->prefix, text, cap);
     return s->sent < 0 ? s->sent : 0;
+}
+
+/* Send the decoded text from what was sent up to `upto`. A byte token can turn earlier text into
+   U+FFFD: what was sent stays sent; go on from a character's start, never from inside one. */
+static inline int __sym_stream_send(sym_stream *s, int upto) {
+    while (s->sent < upto && (s->text[s->sent] & 0xC0) == 0x80) s->sent++;
+    if (upto <= s->sent) return 0;
+    int rc = sym_send(s->text + s->sent, upto - s->sent);
+    if (rc < 0) return rc;
+    s->sent = upto;
+    return 0;
 }
 
 /* ids[0..total) now: send what is new and settled. */
@@ -314,15 +325,8 @@ static inline int sym_stream_push(sym_stream *s, const int32_t *ids, int total) 
     s->now = sym_detokenize(ids + s->prefix, total - s->prefix, s->text, s->cap);
     if (s->now < 0) return s->now;
     if (s->now > s->cap) return SYM_ETOOSMALL;
-    int settled = sym_text_settled(s->text, s->now);
-    /* A byte token can turn earlier text into U+FFFD: what was sent stays sent; go on from a
-       character's start, never from inside one. */
-    while (s->sent < settled && (s->text[s->sent] & 0xC0) == 0x80) s->sent++;
-    if (settled > s->sent) {
-        int rc = sym_send(s->text + s->sent, settled - s->sent);
-        if (rc < 0) return rc;
-        s->sent = settled;
-    }
+    int settled = sym_text_settled(s->text, s->now), rc = __sym_stream_send(s, settled);
+    if (rc < 0) return rc;
     if (settled == s->now) { /* whole: a character starts at ids[total] */
         if (total - s->prefix >= 2 * SYM_STREAM_WINDOW) {
             s->prefix = s->mark;
@@ -338,10 +342,7 @@ static inline int sym_stream_push(sym_stream *s, const int32_t *ids, int total) 
 static inline int sym_stream_finish(sym_stream *s, const int32_t *ids, int total) {
     s->now = sym_detokenize(ids + s->prefix, total - s->prefix, s->text, s->cap);
     if (s->now < 0 || s->now > s->cap) return s->now < 0 ? s->now : SYM_ETOOSMALL;
-    while (s->sent < s->now && (s->text[s->sent] & 0xC0) == 0x80) s->sent++;
-    int rc = s->now > s->sent ? sym_send(s->text + s->sent, s->now - s->sent) : 0;
-    s->sent = s->now;
-    return rc < 0 ? rc : 0;
+    return __sym_stream_send(s, s->now);
 }
 /* Blocks for the next message; returns its length, SYM_ETOOSMALL (kept) or SYM_ECLOSED. */
 static inline int sym_recv(char *buf, int cap) { return __sym_recv(buf, cap); }

@@ -43,7 +43,7 @@ _Static_assert(sizeof(request) == 40, "request header is 40 bytes");
 
 typedef struct {
     sym_kv kv;
-    int32_t *ids;     /* generated tokens; ids[-1] is the prompt's last token (see branch_text) */
+    int32_t *ids;     /* generated tokens; ids[-1] is the prompt's last token (context_token) */
     int len;
     int done;
     char *text;       /* detokenized ids, when stop strings are checked */
