@@ -220,7 +220,8 @@ class FuzzHost:
             model_dir = build_random_model(Path(self._tmp.name), "llama", seed=0, init_std=0.2, **TINY_LLAMA)
         self.engine = Engine.from_path(model_dir, device="cpu", page_size=4, num_pages=256)
         self.runtime = Runtime(self.engine).start()
-        self.store = ProgramStore(self.runtime.wasm_engine, Path(tempfile.mkdtemp(prefix="symphony-fuzz-programs-")))
+        self._programs = tempfile.TemporaryDirectory(prefix="symphony-fuzz-programs-")
+        self.store = ProgramStore(self.runtime.wasm_engine, Path(self._programs.name))
         self.driver = self.runtime.load(driver_module(), "fuzz-driver")
         bob = self.engine.session("bob")
         secret = bob.open("secret", 1)
@@ -237,6 +238,7 @@ class FuzzHost:
             logging.getLogger(name).removeHandler(self.errors)
         self.runtime.close()
         self.engine.stop()
+        self._programs.cleanup()
         if self._tmp is not None:
             self._tmp.cleanup()
 
