@@ -9,6 +9,7 @@ exception becomes an error code (unexpected ones `INTERNAL`, and are logged).
 from __future__ import annotations
 
 import logging
+import os
 import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
@@ -31,7 +32,7 @@ KIND_DISTRIBUTION, KIND_TOPK, KIND_SAMPLE, KIND_GREEDY_EACH = 0, 1, 2, 3
 SAMPLING_RECORD = struct.Struct("<ffiiQiiiii4x")  # sym_sampling: 48 bytes
 MAX_TOKENS_PER_PRED = 1 << 16
 MAX_TEXT_BYTES = 1 << 20
-WASI_EBADF, WASI_EFAULT, WASI_EINVAL, WASI_EIO = 8, 21, 28, 29
+WASI_EBADF, WASI_EFAULT, WASI_EINVAL, WASI_EIO, WASI_ENOTSUP = 8, 21, 28, 29, 58
 T = TypeVar("T")
 
 
@@ -77,6 +78,11 @@ class HostCalls:
     @classmethod
     def table(cls) -> dict[str, int]:
         return {name: _signature_of(getattr(cls, name)) for name in CALLS}
+
+    @classmethod
+    def wasi_table(cls) -> dict[str, int]:
+        """The WASI preview 1 functions served here instead of by wasmtime -> their arity."""
+        return {name: _signature_of(getattr(cls, name)) for name in WASI_CALLS}
 
     def dispatch(self, name: str, failed: Callable[[ErrorCode], T], run: Callable[..., T], *args) -> T:
         """The one way into a system call, from a core module or a component: charges the
@@ -445,6 +451,26 @@ class HostCalls:
         mem.write_i32s(nwritten_ptr, [len(data)])
         return 0
 
+    def poll_oneoff(self, mem: GuestMemory, in_ptr: int, out_ptr: int, nsubscriptions: int, nevents_ptr: int) -> int:
+        """WASI preview 1 poll_oneoff (sleep, in wasi-libc and Rust's std): refused with ENOTSUP.
+        wasmtime's own slept inside the host call, on the worker thread that runs every other
+        guest of the runtime: no time slice could end it, it used no CPU time, and a timeout of
+        2^64 ns held the runtime for good (close() waited on it). Waiting is `recv` or `pred`."""
+        return WASI_ENOTSUP
+
+    def random_get(self, mem: GuestMemory, buf_ptr: int, length: int) -> int:
+        """WASI preview 1 random_get, at most MAX_TEXT_BYTES a call (EINVAL beyond: the call
+        has no partial fill, and a guest must not take unrandom bytes for random ones).
+        wasmtime's took up to 64 MiB a call, 0.2 s of the worker thread's time in one call."""
+        length &= 0xFFFFFFFF
+        if length > MAX_TEXT_BYTES:
+            return WASI_EINVAL
+        try:
+            mem.write(buf_ptr & 0xFFFFFFFF, os.urandom(length))
+        except SymphonyError:
+            return WASI_EFAULT
+        return 0
+
 
 def _finish_pred(mem: GuestMemory, calls: HostCalls, future: PredFuture, want: Want, out_ptr: int, cap: int) -> int:
     """The blocking pred's result once answered (its room was checked when it was queued)."""
@@ -456,3 +482,6 @@ CALLS = ("vocab_size", "eos_ids", "bos_id", "model_name", "tokenize", "detokeniz
          "kv_fork", "kv_extract", "kv_merge", "kv_len", "kv_truncate", "kv_close", "kv_remove", "kv_hint",
          "kv_open_prefix", "kv_cache_prefix",
          "pred_submit", "pred_wait", "pred", "send", "recv", "tool")
+# WASI preview 1 functions of ours, shadowing wasmtime's (each method says why). They answer a
+# WASI errno; a call refused by the host-call rate limit (or failing inside) answers EIO.
+WASI_CALLS = ("fd_write", "poll_oneoff", "random_get")

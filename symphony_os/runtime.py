@@ -20,7 +20,7 @@ from .component import ComponentLinker, ComponentProcess
 from .engine import Engine
 from .fiber import AsyncLinker, EpochTicker, Ready, make_async_engine
 from .gc_tuning import tune_gc, untune_gc
-from .hostcalls import Block, HostCalls
+from .hostcalls import WASI_CALLS, WASI_EIO, Block, HostCalls
 from .limits import Watchdog
 from .process import Process, ProcessLimits
 from .program import Program, load_program, load_program_file
@@ -227,13 +227,18 @@ class BatchDriver:
             self._cond.notify_all()
 
 
+def _wasi_failure(_code) -> int:
+    return WASI_EIO
+
+
 def _handler(name: str, blocking: bool):
     method = getattr(HostCalls, name)
+    failed = _wasi_failure if name in WASI_CALLS else int  # a WASI function answers a WASI errno
 
     def handle(call, args):
         process: Process = call.fiber.owner
         hostcalls = process.hostcalls
-        outcome = hostcalls.dispatch(name, int, method, hostcalls, process.memory_for(call), *args)
+        outcome = hostcalls.dispatch(name, failed, method, hostcalls, process.memory_for(call), *args)
         if isinstance(outcome, Block):
             return process.block_on(outcome, call)
         return Ready((outcome,)) if blocking else (outcome,)
@@ -255,7 +260,8 @@ class Runtime:
         self.linker.define_wasi()
         i32 = wasmtime.ValType.i32()
         self.linker.linker.allow_shadowing = True
-        self.linker.define_func("wasi_snapshot_preview1", "fd_write", [i32] * 4, [i32], _handler("fd_write", False))
+        for name, arity in HostCalls.wasi_table().items():  # ours instead of wasmtime's (hostcalls.py says why)
+            self.linker.define_func("wasi_snapshot_preview1", name, [i32] * arity, [i32], _handler(name, False))
         self.linker.linker.allow_shadowing = False
         for name, arity in HostCalls.table().items():
             blocking = name in BLOCKING_CALLS

@@ -251,3 +251,44 @@ def test_one_fd_write_takes_at_most_a_mib_whatever_its_iovecs_say(tiny_engine):
     assert struct.unpack("<2i", out[0]) == (0, MAX_TEXT_BYTES)
     assert len(out) == 1  # the second write went over the limit: nothing after it reaches the user
     assert sum(len(part) for part in log) == MAX_TEXT_BYTES
+
+
+def test_wasi_sleep_is_refused_at_once(tiny_engine):
+    """poll_oneoff with a clock subscription slept inside the host call, on the worker thread
+    that runs every guest: no time slice ended it, it used no CPU time, and a timeout of 2^64 ns
+    held the whole runtime for good (close() too). It answers ENOTSUP at once."""
+    sleeper = wat('''(module
+      (import "wasi_snapshot_preview1" "poll_oneoff" (func $poll (param i32 i32 i32 i32) (result i32)))
+      (import "symphony" "send" (func $send (param i32 i32) (result i32)))
+      (memory (export "memory") 1)
+      (func (export "_start")
+        (i32.store8 (i32.const 8) (i32.const 0))   ;; a clock subscription
+        (i32.store (i32.const 16) (i32.const 1))   ;; monotonic
+        (i64.store (i32.const 24) (i64.const 20000000000))  ;; 20 s from now
+        (i32.store (i32.const 1024) (call $poll (i32.const 0) (i32.const 256) (i32.const 1) (i32.const 512)))
+        (drop (call $send (i32.const 1024) (i32.const 4)))))''')
+    with Runtime(tiny_engine, workers=1) as runtime:
+        out = []
+        proc = runtime.spawn(runtime.load(sleeper, "sleeper"), on_output=out.append)
+        assert runtime.wait(proc, 5) == 0, proc.end_reason
+    assert struct.unpack("<i", out[0]) == (58,)  # WASI ENOTSUP
+
+
+def test_wasi_random_get_fills_up_to_a_mib_and_refuses_more(tiny_engine):
+    """wasmtime's random_get took up to 64 MiB a call (0.2 s of the worker's thread, no slice
+    ends it); ours fills at most MAX_TEXT_BYTES (more is EINVAL: the call has no partial fill)."""
+    module = wat(f'''(module
+      (import "wasi_snapshot_preview1" "random_get" (func $random (param i32 i32) (result i32)))
+      (import "symphony" "send" (func $send (param i32 i32) (result i32)))
+      (memory (export "memory") 40)
+      (func (export "_start")
+        (i32.store (i32.const 0) (call $random (i32.const 16) (i32.const 32)))
+        (i32.store (i32.const 4) (call $random (i32.const 64) (i32.const {MAX_TEXT_BYTES + 1})))
+        (i32.store (i32.const 8) (call $random (i32.const {40 * PAGE - 8}) (i32.const 16)))
+        (drop (call $send (i32.const 0) (i32.const 48)))))''')
+    with Runtime(tiny_engine) as runtime:
+        out = []
+        proc = runtime.spawn(runtime.load(module, "random"), on_output=out.append)
+        assert runtime.wait(proc, 10) == 0, proc.end_reason
+    assert struct.unpack("<3i", out[0][:12]) == (0, 28, 21)  # ok, EINVAL, EFAULT
+    assert out[0][16:48] != bytes(32)
