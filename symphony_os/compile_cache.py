@@ -2,66 +2,111 @@
 loading the compiled file, milliseconds).
 
 Deserializing compiled code is not safe for untrusted bytes (DESIGN.md section 4), so only
-files this module wrote are loaded: the directory is ours alone (created 0700, refused when
-another user owns it or others may write to it), each file is written under a unique temporary
-name and renamed into place whole, and its sha256 is kept in a sidecar that is checked, over
-the very bytes that are then deserialized, before every load. Each distinct upload adds a file
-(~33 MB for a Python LIP), so the cache is bounded: past `max_bytes` the least recently used
-files (by mtime, touched on every hit) are removed.
+files this process's user wrote are loaded:
+- the directory is ours alone: created 0700, refused when another user owns it or it is a
+  link; one found open to others (an older version, a umask of 0) is closed and emptied, as
+  anyone could have written into it;
+- it is opened once and every file is reached through that descriptor (a directory swapped in
+  meanwhile is not followed), without following links;
+- a file is read only if it is a regular file of ours with one link (a file another user
+  planted, or a hard link to one, is not), from the descriptor that was checked;
+- each file is written under a unique temporary name and renamed into place whole, and its
+  sha256 is kept in a sidecar that is checked, over the very bytes that are then deserialized,
+  before every load.
+Each distinct upload adds a file (~33 MB for a Python LIP), so the cache is bounded: past
+`max_bytes` the least recently used files (by mtime, touched on every hit) are removed, and so
+are temporary files a killed writer left.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
+import secrets
 import stat
-import tempfile
+import time
 from pathlib import Path
 
 log = logging.getLogger("symphony.compile_cache")
 
 CACHE_DIR = Path(os.environ.get("SYMPHONY_CACHE", Path.home() / ".cache" / "symphony")) / "components"
 MAX_CACHE_BYTES = 2 * 2**30
-COMPILED, DIGEST = ".cwasm", ".sha256"
+COMPILED, DIGEST, PARTIAL = ".cwasm", ".sha256", ".partial"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
 class CompileCache:
     """Compiled bytes by key, in a directory of our own; `open` returns None when the directory
-    cannot be trusted or made (then nothing is cached, and every load compiles)."""
+    cannot be trusted or made (then nothing is cached, and every load compiles). `close()`
+    (or a `with` block) releases the directory's descriptor."""
 
-    def __init__(self, directory: Path, max_bytes: int = MAX_CACHE_BYTES):
+    def __init__(self, directory: Path, dir_fd: int, max_bytes: int = MAX_CACHE_BYTES):
         self.directory = directory
         self.max_bytes = max_bytes
+        self._fd = dir_fd
 
     @classmethod
     def open(cls, directory: Path, max_bytes: int = MAX_CACHE_BYTES) -> "CompileCache | None":
+        fd = None
         try:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            info = directory.lstat()
+            fd = os.open(directory, os.O_RDONLY | _DIRECTORY | _NOFOLLOW)
+            info = os.fstat(fd)
             if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
                 log.warning("not caching compiled components: %s is not a directory of this user", directory)
+                os.close(fd)
                 return None
-            if info.st_mode & 0o077:
-                os.chmod(directory, 0o700)  # ours, but left open by an older version: close it
+            cache = cls(directory, fd, max_bytes)
+            if info.st_mode & 0o077:  # ours, but open to others: close it, then drop what is in it
+                os.chmod(fd, 0o700)
+                log.warning("%s was open to other users: closed, and its files removed", directory)
+                cache._remove_all()
         except OSError as error:
+            if fd is not None:
+                os.close(fd)
             log.warning("not caching compiled components in %s: %s", directory, error)
             return None
-        return cls(directory, max_bytes)
+        return cache
 
-    def load(self, key: str) -> bytes | None:
-        """The compiled bytes stored under `key`, if present and matching their digest."""
-        path = self.directory / f"{key}{COMPILED}"
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __enter__(self) -> "CompileCache":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def _read(self, name: str) -> bytes | None:
+        """The bytes of `name` if it is a regular file of ours with one link, else None."""
         try:
-            data = path.read_bytes()
-            expected = (self.directory / f"{key}{DIGEST}").read_text().strip()
+            fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=self._fd)
         except OSError:
             return None
-        if hashlib.sha256(data).hexdigest() != expected:
-            log.warning("compiled component %s does not match its digest: removed", path.name)
+        with os.fdopen(fd, "rb") as file:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_nlink != 1:
+                log.warning("compiled component file %s is not this user's own: ignored", name)
+                return None
+            return file.read()
+
+    def load(self, key: str) -> bytes | None:
+        """The compiled bytes stored under `key`, if present, ours and matching their digest."""
+        data, expected = self._read(f"{key}{COMPILED}"), self._read(f"{key}{DIGEST}")
+        if data is None or expected is None:
+            return None
+        if hashlib.sha256(data).hexdigest() != expected.decode("ascii", "replace").strip():
+            log.warning("compiled component %s%s does not match its digest: removed", key, COMPILED)
             self._remove(key)
             return None
         try:
-            os.utime(path)  # recently used: pruned last
+            os.utime(f"{key}{COMPILED}", dir_fd=self._fd, follow_symlinks=False)  # recently used: pruned last
         except OSError:
             pass
         return data
@@ -70,34 +115,46 @@ class CompileCache:
         """Keep `data` under `key` (the digest first, so a file is never there without it),
         then prune the cache to `max_bytes`."""
         try:
-            self._write(self.directory / f"{key}{DIGEST}", hashlib.sha256(data).hexdigest().encode())
-            self._write(self.directory / f"{key}{COMPILED}", data)
+            self._write(f"{key}{DIGEST}", hashlib.sha256(data).hexdigest().encode())
+            self._write(f"{key}{COMPILED}", data)
         except OSError as error:
             log.warning("cannot cache the compiled component in %s: %s", self.directory, error)
             return
         self.prune()
 
-    def _write(self, path: Path, data: bytes) -> None:
+    def _write(self, name: str, data: bytes) -> None:
         # A unique temporary name per writer (two threads compiling the same bytes), renamed
         # into place only once written whole.
-        fd, partial = tempfile.mkstemp(dir=self.directory, prefix=f".{path.name}.", suffix=".partial")
+        partial = f".{name}.{secrets.token_hex(8)}{PARTIAL}"
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600, dir_fd=self._fd)
         try:
             with os.fdopen(fd, "wb") as file:
                 file.write(data)
-            os.replace(partial, path)
+            os.replace(partial, name, src_dir_fd=self._fd, dst_dir_fd=self._fd)
         except BaseException:
-            Path(partial).unlink(missing_ok=True)
+            self._unlink(partial)
             raise
 
-    def prune(self) -> None:
-        """Remove the least recently used compiled files until the rest fit in `max_bytes`."""
+    def _entries(self) -> list[tuple[str, os.stat_result]]:
         entries = []
-        for path in self.directory.glob(f"*{COMPILED}"):
+        for name in os.listdir(self._fd):
             try:
-                info = path.stat()
+                entries.append((name, os.stat(name, dir_fd=self._fd, follow_symlinks=False)))
             except OSError:
                 continue
-            entries.append((info.st_mtime, info.st_size, path.name[:-len(COMPILED)]))
+        return entries
+
+    def prune(self) -> None:
+        """Remove the least recently used compiled files until the rest fit in `max_bytes`, and
+        temporary files older than an hour (a writer killed midway leaves one)."""
+        entries, stale_before = [], None
+        for name, info in self._entries():
+            if name.endswith(COMPILED):
+                entries.append((info.st_mtime, info.st_size, name[:-len(COMPILED)]))
+            elif name.endswith(PARTIAL):
+                stale_before = stale_before or time.time() - 3600
+                if info.st_mtime < stale_before:
+                    self._unlink(name)
         total = sum(size for _, size, _ in entries)
         for _, size, key in sorted(entries):
             if total <= self.max_bytes:
@@ -107,4 +164,16 @@ class CompileCache:
 
     def _remove(self, key: str) -> None:
         for suffix in (COMPILED, DIGEST):
-            (self.directory / f"{key}{suffix}").unlink(missing_ok=True)
+            self._unlink(f"{key}{suffix}")
+
+    def _remove_all(self) -> None:
+        for name in os.listdir(self._fd):
+            self._unlink(name)
+
+    def _unlink(self, name: str) -> None:
+        try:
+            os.unlink(name, dir_fd=self._fd)
+        except FileNotFoundError:
+            pass
+        except OSError as error:  # a directory someone made in it while it was open, say
+            log.warning("cannot remove %s from the compile cache: %s", name, error)

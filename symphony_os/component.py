@@ -96,19 +96,23 @@ def compile_component(engine: wasmtime.Engine, data: bytes, cache_dir: Path | No
     in the cache are first compiled in a child process killed at that deadline
     (limits.compiles_within): CompileTooSlow if it was reached."""
     cache = CompileCache.open(cache_dir) if cache_dir is not None else None
-    key = f"{_engine_fingerprint(engine)}-{hashlib.sha256(data).hexdigest()}"
-    compiled = cache.load(key) if cache is not None else None
-    if compiled is not None:
-        try:
-            return wc.Component.deserialize(engine, compiled)  # the bytes whose digest was checked
-        except wasmtime.WasmtimeError:
-            pass  # written by another wasmtime: compile again
-    if compile_time_s is not None and not compiles_within(data, compile_time_s, component=True):
-        raise CompileTooSlow(f"compiling the component took over the limit of {compile_time_s:g} s")
-    component = wc.Component(engine, data)
-    if cache is not None:
-        cache.store(key, component.serialize())
-    return component
+    try:
+        key = f"{_engine_fingerprint(engine)}-{hashlib.sha256(data).hexdigest()}"
+        compiled = cache.load(key) if cache is not None else None
+        if compiled is not None:
+            try:
+                return wc.Component.deserialize(engine, compiled)  # the bytes whose digest was checked
+            except wasmtime.WasmtimeError:
+                pass  # written by another wasmtime: compile again
+        if compile_time_s is not None and not compiles_within(data, compile_time_s, component=True):
+            raise CompileTooSlow(f"compiling the component took over the limit of {compile_time_s:g} s")
+        component = wc.Component(engine, data)
+        if cache is not None:
+            cache.store(key, component.serialize())
+        return component
+    finally:
+        if cache is not None:
+            cache.close()
 
 
 def check_component(component: wc.Component, engine: wasmtime.Engine) -> str | None:

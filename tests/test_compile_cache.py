@@ -1,7 +1,9 @@
 """The cache of compiled components (symphony_os/compile_cache.py): a directory of our own,
 files checked against their digest before they are loaded, and a bounded size."""
+import hashlib
 import os
 import stat
+import time
 import uuid
 
 import pytest
@@ -24,8 +26,15 @@ def test_cache_directory_is_private_and_tightened(tmp_path):
     loose = tmp_path / "loose"
     loose.mkdir(mode=0o777)
     os.chmod(loose, 0o777)
-    assert CompileCache.open(loose) is not None
-    assert stat.S_IMODE(loose.stat().st_mode) == 0o700
+    # Open to others, so anyone may have planted a compiled file with its digest: emptied.
+    (loose / "planted.cwasm").write_bytes(b"code")
+    (loose / "planted.sha256").write_text(hashlib.sha256(b"code").hexdigest())
+    cache = CompileCache.open(loose)
+    assert cache is not None and cache.load("planted") is None
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o700 and not list(loose.iterdir())
+    link = tmp_path / "link"
+    link.symlink_to(fresh)
+    assert CompileCache.open(link) is None
     not_a_directory = tmp_path / "file"
     not_a_directory.write_bytes(b"")
     assert CompileCache.open(not_a_directory) is None
@@ -40,6 +49,39 @@ def test_a_file_that_does_not_match_its_digest_is_never_loaded(tmp_path):
     assert not list(tmp_path.iterdir())  # both files removed
     (tmp_path / "planted.cwasm").write_bytes(b"no digest of ours")
     assert cache.load("planted") is None
+
+
+def test_only_regular_files_of_our_own_are_loaded(tmp_path):
+    """Links are not followed, and a hard link (to a file another user could have made) or a
+    file another user owns is not read, digest or not."""
+    cache = CompileCache.open(tmp_path / "cache")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "code").write_bytes(b"code")
+    (elsewhere / "digest").write_text(hashlib.sha256(b"code").hexdigest())
+    (cache.directory / "sym.cwasm").symlink_to(elsewhere / "code")
+    (cache.directory / "sym.sha256").symlink_to(elsewhere / "digest")
+    assert cache.load("sym") is None
+    os.link(elsewhere / "code", cache.directory / "hard.cwasm")
+    os.link(elsewhere / "digest", cache.directory / "hard.sha256")
+    assert cache.load("hard") is None
+    if os.getuid() == 0:  # only root can give a file to another user
+        cache.store("theirs", b"code")
+        os.chown(cache.directory / "theirs.cwasm", 65534, 65534)
+        assert cache.load("theirs") is None
+    cache.store("ours", b"code")
+    assert cache.load("ours") == b"code"
+    cache.close()
+
+
+def test_temporary_files_a_killed_writer_left_are_pruned(tmp_path):
+    cache = CompileCache.open(tmp_path)
+    old, new = tmp_path / ".a.cwasm.1234.partial", tmp_path / ".b.cwasm.5678.partial"
+    old.write_bytes(b"half")
+    new.write_bytes(b"being written")
+    os.utime(old, (time.time() - 7200,) * 2)
+    cache.store("key", b"code")
+    assert not old.exists() and new.exists()
 
 
 def test_cache_keeps_the_most_recently_used_within_its_size(tmp_path):
