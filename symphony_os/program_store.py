@@ -1,12 +1,17 @@
 """Uploaded programs: validated, stored by sha256, compiled once, and listed per tenant.
 
-The bytes live in `directory/<sha256>.wasm`; the compiled module is kept in memory and shared
-by every tenant that uploaded the same bytes. Each tenant sees only the programs it uploaded
-itself, and its uploads count against its `max_upload_bytes` quota.
+The bytes live in `directory/<sha256>.wasm` (the directory 0700, the files 0600: tenants'
+programs are theirs); the compiled module is kept in memory and shared by every tenant that
+uploaded the same bytes. Each tenant sees only the programs it uploaded itself, under its own
+names (its processes' argv[0] too), and its uploads count against its `max_upload_bytes` quota.
+Sharing is visible in one way: bytes some tenant uploaded before are not compiled again, so
+their upload answers sooner.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -36,7 +41,7 @@ class ProgramStore:
         self.wasm_engine = wasm_engine
         self.compile_time_s = compile_time_s  # refuse modules that take longer to compile
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._compiled: dict[str, Program] = {}
         self._by_tenant: dict[str, dict[str, StoredProgram]] = {}
         self._reserved: dict[str, int] = {}  # bytes of uploads being compiled, per tenant
@@ -71,12 +76,13 @@ class ProgramStore:
         try:
             if compiled is None:
                 compiled = load_program(self.wasm_engine, data, name, compile_time_s=self.compile_time_s)
+            with self._lock:  # the file with the record: a removal meanwhile cannot leave one without it
                 path = self.directory / f"{sha}.wasm"
                 if not path.exists():
                     tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
-                    tmp.write_bytes(data)
+                    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as file:
+                        file.write(data)
                     tmp.replace(path)
-            with self._lock:
                 self._compiled.setdefault(sha, compiled)
                 entry = StoredProgram(sha, name, len(data), time.time())
                 return self._by_tenant.setdefault(tenant, {}).setdefault(sha, entry)
@@ -93,11 +99,13 @@ class ProgramStore:
             return self._by_tenant.get(tenant, {}).get(sha)
 
     def program(self, tenant: str, sha: str) -> Program | None:
-        """The compiled program, if `tenant` uploaded it."""
+        """The compiled program, if `tenant` uploaded it, under the name `tenant` gave it (not
+        that of whoever uploaded the same bytes first)."""
         with self._lock:
-            if sha not in self._by_tenant.get(tenant, {}):
+            entry = self._by_tenant.get(tenant, {}).get(sha)
+            if entry is None:
                 return None
-            return self._compiled[sha]
+            return dataclasses.replace(self._compiled[sha], name=entry.name)
 
     def remove(self, tenant: str, sha: str) -> bool:
         """Forget a tenant's program (running processes keep theirs)."""
