@@ -15,7 +15,8 @@ unlimited (a per-process one: the server's default `ProcessLimits`, SECURITY.md)
     output_bytes = 67108864     # bytes one process may send (output and log)
     kv_pages_per_process = 1024 # KV pages one process's open files may hold
 
-Per-process quotas become that process's `limits.ProcessLimits`. `max_kv_files` is the one
+Counts and bytes are whole numbers, seconds may have fractions; none may be negative, NaN or
+infinite. Per-process quotas become that process's `limits.ProcessLimits`. `max_kv_files` is the one
 quota with a default when left out (kvfs.DEFAULT_MAX_NAMED_FILES): an empty named file holds
 no page, so nothing else bounds how many a tenant keeps.
 
@@ -73,6 +74,23 @@ class Quotas:
         return replace(base, **limits)
 
 
+MAX_QUOTA = 2**62  # wasmtime's limits and our counters are 64-bit
+
+
+def _quota_problem(key: str, value) -> str | None:
+    """What a quota's value must be, if `value` is not that (None: it is fine, or left out).
+    Counts and bytes are whole numbers; times may have fractions. Not NaN nor infinite: a NaN
+    compares false with everything, so `cpu_time_s = nan` let a process spin for ever."""
+    if value is None:
+        return None
+    if key.endswith("_s"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_QUOTA:
+            return f"a number of seconds from 0 to {MAX_QUOTA}"
+    elif isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_QUOTA:
+        return f"a whole number from 0 to {MAX_QUOTA}"
+    return None
+
+
 @dataclass(frozen=True)
 class Tenant:
     name: str
@@ -114,9 +132,9 @@ class Tenants:
             if unknown:
                 raise TenantsFileError(f"{where}: unknown keys {sorted(unknown)} (quotas: {', '.join(QUOTA_FIELDS)})")
             for key in QUOTA_FIELDS:
-                value = entry.get(key)
-                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
-                    raise TenantsFileError(f"{where}: {key} must be a number >= 0")
+                problem = _quota_problem(key, entry.get(key))
+                if problem is not None:
+                    raise TenantsFileError(f"{where}: {key} must be {problem}")
             if entry["token"] in tokens:
                 raise TenantsFileError(f"{where}: its token is another tenant's too")
             tokens.add(entry["token"])
