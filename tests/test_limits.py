@@ -1,12 +1,14 @@
-"""The per-process KV page limit's accounting (limits.check_kv_pages), against the engine's own
-steps: a pred queued, then running (its slots reserved, the forward pass not yet done), then done."""
+"""Per-process limits (limits.py): the KV page limit's accounting (check_kv_pages), against the
+engine's own steps (a pred queued, then running: its slots reserved, the forward pass not yet
+done, then done), and the host-call rate."""
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from symphony_os.errors import LimitExceeded
 from symphony_os.kvfs import KVFS
-from symphony_os.limits import check_kv_pages
+from symphony_os.limits import ProcessLimits, Usage, check_kv_pages
 from symphony_os.pool import KVPool
 from symphony_os.sampling import GREEDY
 from symphony_os.scheduler import PredRequest
@@ -65,3 +67,19 @@ def test_an_end_by_a_limit_is_told_from_other_ends(tiny_engine, body, limits, by
         runtime.wait(process, 60)
     assert ended_by_limit(process.end_reason) is by_limit, process.end_reason
     assert not ended_by_limit("killed: the request went away") and not ended_by_limit("exit 3")
+
+
+def test_host_call_rate_holds_after_an_idle_spell():
+    """The window was replaced only once the count passed the limit: after an idle second, a
+    stale window's room and a fresh one's added up to twice the rate within a millisecond."""
+    usage = Usage(ProcessLimits(hostcalls_per_s=1000))
+    usage.charge_hostcall()
+    time.sleep(1.05)
+    accepted = 0
+    with pytest.raises(LimitExceeded):
+        for _ in range(3000):
+            usage.charge_hostcall()
+            accepted += 1
+    assert 1000 <= accepted <= 1000 * 17 // 16
+    time.sleep(1.05)
+    usage.charge_hostcall()  # a new second, a new window
