@@ -37,7 +37,7 @@ from .compile_cache import CACHE_DIR, CompileCache
 from .errors import BadHandle, ErrorCode, InputClosed, InvalidArgument, SymphonyError
 from .fiber import Fiber, _polling
 from .hostcalls import MAX_TEXT_BYTES, MAX_TOKENS_PER_PRED, Block
-from .limits import compiles_within
+from .limits import compile_refusal
 from .process import Process
 from .program import printable
 from .sampling import Distribution, GreedyEach, Sample, TopK, Want
@@ -85,8 +85,8 @@ def _engine_fingerprint(engine: wasmtime.Engine) -> str:
     return hashlib.sha256(bytes(probe)).hexdigest()[:16]
 
 
-class CompileTooSlow(Exception):
-    """Compiling the component took over the time limit it was given."""
+class CompileRefused(Exception):
+    """Compiling the component took over the time limit it was given, or crashed the compiler."""
 
 
 def compile_component(engine: wasmtime.Engine, data: bytes, cache_dir: Path | None = CACHE_DIR,
@@ -94,7 +94,7 @@ def compile_component(engine: wasmtime.Engine, data: bytes, cache_dir: Path | No
     """Compile component bytes, through a cache of our own compiled files (compile_cache.py)
     keyed by the bytes' sha256 and the engine's configuration. With `compile_time_s`, bytes not
     in the cache are first compiled in a child process killed at that deadline
-    (limits.compiles_within): CompileTooSlow if it was reached."""
+    (limits.compile_refusal): CompileRefused if it was reached, or the child died."""
     cache = CompileCache.open(cache_dir) if cache_dir is not None else None
     try:
         key = f"{_engine_fingerprint(engine)}-{hashlib.sha256(data).hexdigest()}"
@@ -104,8 +104,9 @@ def compile_component(engine: wasmtime.Engine, data: bytes, cache_dir: Path | No
                 return wc.Component.deserialize(engine, compiled)  # the bytes whose digest was checked
             except wasmtime.WasmtimeError:
                 pass  # written by another wasmtime: compile again
-        if compile_time_s is not None and not compiles_within(data, compile_time_s, component=True):
-            raise CompileTooSlow(f"compiling the component took over the limit of {compile_time_s:g} s")
+        refusal = compile_refusal(data, compile_time_s, component=True) if compile_time_s is not None else None
+        if refusal is not None:
+            raise CompileRefused(refusal)
         component = wc.Component(engine, data)
         if cache is not None:
             cache.store(key, component.serialize())

@@ -16,7 +16,7 @@ import wasmtime
 import wasmtime.component
 
 from .hostcalls import HostCalls
-from .limits import compiles_within
+from .limits import compile_refusal
 
 WASM_MAGIC = b"\x00asm"
 CORE_VERSION = b"\x01\x00\x00\x00"
@@ -83,7 +83,8 @@ def _check_interface(module: wasmtime.Module) -> None:
 def load_program(engine: wasmtime.Engine, data: bytes, name: str = "program",
                  compile_time_s: float | None = None) -> Program:
     """Validate and compile untrusted bytes. With `compile_time_s`, a module or component whose
-    compilation takes longer is refused (timed in a child process: limits.compiles_within)."""
+    compilation takes longer, or crashes its compiler, is refused (compiled first in a child
+    process: limits.compile_refusal)."""
     if len(data) > MAX_MODULE_BYTES:
         raise ProgramError(f"module is {len(data)} bytes; the limit is {MAX_MODULE_BYTES}")
     _check_header(data)
@@ -91,8 +92,9 @@ def load_program(engine: wasmtime.Engine, data: bytes, name: str = "program",
         return _load_component(engine, data, name, compile_time_s)
     try:
         wasmtime.Module.validate(engine, data)
-        if compile_time_s is not None and not compiles_within(data, compile_time_s):
-            raise ProgramError(f"compiling the module took over the limit of {compile_time_s:g} s")
+        refusal = compile_refusal(data, compile_time_s) if compile_time_s is not None else None
+        if refusal is not None:
+            raise ProgramError(refusal)
         module = wasmtime.Module(engine, data)
     except wasmtime.WasmtimeError as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else "invalid module"
@@ -102,11 +104,11 @@ def load_program(engine: wasmtime.Engine, data: bytes, name: str = "program",
 
 
 def _load_component(engine: wasmtime.Engine, data: bytes, name: str, compile_time_s: float | None) -> Program:
-    from .component import CompileTooSlow, check_component, compile_component  # it imports process.py, which imports this
+    from .component import CompileRefused, check_component, compile_component  # it imports process.py, which imports this
 
     try:
         component = compile_component(engine, data, compile_time_s=compile_time_s)
-    except CompileTooSlow as error:
+    except CompileRefused as error:
         raise ProgramError(str(error)) from None
     except wasmtime.WasmtimeError as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else "invalid component"

@@ -9,6 +9,7 @@ import uuid
 import pytest
 import wasmtime
 
+from symphony_os import limits
 from symphony_os.compile_cache import CompileCache
 from symphony_os.component import compile_component
 from symphony_os.program import ProgramError, load_program
@@ -107,3 +108,18 @@ def test_compiled_component_is_cached_and_a_tampered_file_recompiled(tmp_path):
 def test_component_compile_time_is_limited():
     with pytest.raises(ProgramError, match="compiling the component took over the limit"):
         load_program(wasmtime.Engine(), component_bytes(), compile_time_s=1e-3)
+
+
+def test_bytes_whose_compile_kills_the_child_are_not_compiled_in_the_server(monkeypatch):
+    """The child's outcome counted only as time: one that died (killed for memory, aborted in
+    the compiler) let the server compile the same bytes itself, which would take it down too."""
+    monkeypatch.setattr(limits, "_COMPILE_PROBE", "import os; os.abort()")
+    module = wasmtime.wat2wasm('(module (memory (export "memory") 1) (func (export "_start")))')
+    for data in (bytes(module), component_bytes()):
+        with pytest.raises(ProgramError, match=r"failed in a child process \(signal 6\): not compiled in the server"):
+            load_program(wasmtime.Engine(), data, compile_time_s=30)
+
+
+def test_bytes_wasmtime_refuses_still_say_why_under_a_compile_limit():
+    with pytest.raises(ProgramError, match="invalid WebAssembly component"):
+        load_program(wasmtime.Engine(), b"\x00asm\x0d\x00\x01\x00" + b"\x07" * 40, compile_time_s=30)
