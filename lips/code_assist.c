@@ -1,6 +1,7 @@
 /* code_assist: code completion with an application-chosen KV policy (the paper's Challenge 1).
  * Usage: code_assist [UNDO_MS] [DOC_KEEP_MS]; then one command per message (recv):
- *   open NAME TEXT    the document's KV becomes the named file doc/NAME (prefilled once)
+ *   open NAME TEXT    the document's KV becomes the named file doc/NAME (prefilled once; opened
+ *                     again, only what the new text does not share with the old is redone)
  *   complete NAME N   fork doc/NAME, decode N tokens greedily: the suggestion
  *   undo NAME         bring back the previous suggestion (Ctrl+Z), if still kept
  *   delete NAME       the file was deleted: drop its KV now
@@ -19,7 +20,8 @@ typedef struct {
     char name[64];
     sym_kv doc;           /* doc/NAME */
     sym_kv suggestion, previous;
-    text_t *text, *previous_text;
+    text_t *text, *previous_text;  /* each begins with the document's ids */
+    int known;            /* how many of those ids doc/NAME's KV holds (-1: not known yet) */
     long long previous_until_ms;
 } doc_t;
 
@@ -47,6 +49,7 @@ static doc_t *find(const char *name, int create) {
     }
     if (!create || !free_slot) return NULL;
     snprintf(free_slot->name, sizeof free_slot->name, "%s", name);
+    free_slot->known = -1;
     free_slot->text = &texts[2 * (free_slot - docs)];
     free_slot->previous_text = &texts[2 * (free_slot - docs) + 1];
     return free_slot;
@@ -63,19 +66,54 @@ static void expire(void) {
         if (docs[i].previous > 0 && now_ms() >= docs[i].previous_until_ms) close_previous(&docs[i]);
 }
 
+/* doc/NAME's marker, doc/NAME.ids-HASH-N, is an empty named file (no pages) named after the ids
+ * its KV holds: a later session reuses the KV only if its document still begins with them.
+ * (A document that changed between sessions leaves its old marker behind: its name is not
+ * known then. It holds no pages; `symphony kv rm` removes it.) */
+static const char *marker_of(const char *name, const int32_t *ids, int n) {
+    static char marker[160];
+    unsigned long long h = 1469598103934665603ULL;  /* FNV-1a over the ids' bytes */
+    const unsigned char *bytes = (const unsigned char *)ids;
+    for (size_t i = 0; i < (size_t)n * sizeof *ids; i++) h = (h ^ bytes[i]) * 1099511628211ULL;
+    snprintf(marker, sizeof marker, "doc/%s.ids-%016llx-%d", name, h, n);
+    return marker;
+}
+
 static void open_doc(const char *name, const char *text) {
+    static int32_t ids[TEXT_MAX_IDS];
+    int n = check(sym_tokenize_prompt(text, ids, TEXT_MAX_IDS), "tokenize");
+    if (n + 1 > TEXT_MAX_IDS) { respond("error: %s is over %s tokens\n", name, "4095"); return; }
     doc_t *d = find(name, 1);
     if (!d) { respond("error: too many documents%s%s\n", "", ""); return; }
     snprintf(path, sizeof path, "doc/%s", name);
     if (d->doc <= 0) d->doc = check(sym_kv_open(path, SYM_KV_CREATE), "kv_open");
     /* Documents outlive this session for DOC_KEEP_MS, and go after suggestions (priority 1). */
     check(sym_kv_hint(d->doc, 0, doc_keep_ms, 1), "kv_hint");
-    static int32_t ids[TEXT_MAX_IDS];
-    int have = check(sym_kv_len(d->doc), "kv_len");
-    int n = check(sym_tokenize_prompt(text, ids, TEXT_MAX_IDS), "tokenize");
-    if (have > n - 1) { check(sym_kv_truncate(d->doc, 0), "kv_truncate"); have = 0; }
+    /* The KV kept is what the old text shares with the new one, token for token: this
+     * session knows the ids it prefilled; an earlier session's file is kept whole if its
+     * marker says it holds the start of this text, else redone. */
+    int have = check(sym_kv_len(d->doc), "kv_len"), keep = 0;
+    const char *old_marker = NULL;
+    if (d->known == have) {
+        while (keep < have && keep < n - 1 && d->text->ids[keep] == ids[keep]) keep++;
+        old_marker = marker_of(name, d->text->ids, have);
+    } else if (have < n) {
+        sym_kv found = sym_kv_open(marker_of(name, ids, have), 0);
+        if (found > 0) { keep = have; old_marker = marker_of(name, ids, have); sym_kv_close(found); }
+    }
+    if (keep < have) check(sym_kv_truncate(d->doc, keep), "kv_truncate");
     /* The last token stays out: each suggestion feeds it into its own fork. */
-    if (n - 1 > have) check(sym_pred_sample(d->doc, ids + have, NULL, n - 1 - have, NULL), "prefill");
+    if (n - 1 > keep) check(sym_pred_sample(d->doc, ids + keep, NULL, n - 1 - keep, NULL), "prefill");
+    if (keep != have || keep != n - 1 || !old_marker) {  /* the marker follows the KV */
+        if (old_marker) sym_kv_remove(old_marker);
+        check(sym_kv_close(check(sym_kv_open(marker_of(name, ids, n - 1), SYM_KV_CREATE), "kv_open")), "kv_close");
+    }
+    d->known = n - 1;
+    have = keep;
+    /* Suggestions were for the old text. */
+    close_previous(d);
+    if (d->suggestion > 0) sym_kv_close(d->suggestion);
+    d->suggestion = 0;
     d->text->n = 0;
     text_push(d->text, ids, n);
     char count[32];
@@ -103,8 +141,7 @@ static void complete(const char *name, int max_tokens) {
     for (int i = 0; i < max_tokens; i++) {
         int32_t token = check(sym_pred_sample(d->suggestion, t->ids + fed, NULL, t->n - fed, NULL), "pred");
         fed = t->n;
-        if (sym_is_eos(token)) break;
-        text_push(t, &token, 1);
+        if (sym_is_eos(token) || text_push(t, &token, 1) < 0) break;
     }
     static char suggestion[1 << 14];
     int len = sym_detokenize(t->ids + doc_tokens, t->n - doc_tokens, suggestion, sizeof suggestion - 1);
@@ -131,6 +168,7 @@ static void delete_doc(const char *name) {
     doc_t *d = find(name, 0);
     snprintf(path, sizeof path, "doc/%s", name);
     if (d) {
+        if (d->known >= 0) sym_kv_remove(marker_of(name, d->text->ids, d->known));
         close_previous(d);
         if (d->suggestion > 0) sym_kv_close(d->suggestion);
         /* Drop on close: the pages go with the last handle, not when the pool needs them. */

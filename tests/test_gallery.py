@@ -149,6 +149,37 @@ def test_code_assist_undo_keeps_kv_and_delete_drops_it(runtime, engine):
     assert not engine.kvfs.list_files("default", "doc/")
 
 
+def test_code_assist_reuses_only_the_kv_a_changed_document_still_shares(runtime, engine):
+    """A document opened again with other text kept the old text's KV under the new text's
+    tokens (and a later session's did too): its suggestions came from text nobody wrote."""
+    old, new = "Once upon a time", "Lily went to the big park with her dog and"
+    fresh, _ = run(runtime, "code_assist", ["0"], messages=[f"open x {new}", "complete x 10", "delete x"])
+    expected = fresh.splitlines()[1].replace("suggestion x:", "suggestion a:")
+    n_old, n_new = len(engine.tokenize(old)), len(engine.tokenize(new))
+    out, _ = run(runtime, "code_assist", ["0"], messages=[f"open a {old}", f"open a {new}", "complete a 10"])
+    assert out.splitlines()[1] == f"opened a: {n_new - 2} tokens prefilled"  # all but BOS and the last
+    assert out.splitlines()[2] == expected
+    # Later sessions find doc/a: kept whole where the text still begins with what it holds,
+    # redone where it does not.
+    out, _ = run(runtime, "code_assist", ["0"], messages=[f"open a {new}", "complete a 10"])
+    assert out.splitlines() == ["opened a: 0 tokens prefilled", expected]
+    out, _ = run(runtime, "code_assist", ["0"], messages=[f"open a {new} a"])
+    assert out.splitlines() == ["opened a: 1 tokens prefilled"]
+    other = "Tom had a big red ball and a small blue car and a dog"
+    out, _ = run(runtime, "code_assist", ["0"], messages=[f"open a {other}", "delete a"])
+    assert out.splitlines()[0] == f"opened a: {len(engine.tokenize(other)) - 1} tokens prefilled"
+    # The markers went with their documents, but for the one of the text the last session
+    # replaced without knowing it: an empty file, no pages.
+    [left] = engine.kvfs.list_files("default", "doc/")
+    assert left.name.startswith("doc/a.ids-") and left.pages == 0
+    engine.kvfs.session("default").remove(left.name)
+
+
+def test_code_assist_refuses_a_document_over_its_token_buffer(runtime):
+    out, _ = run(runtime, "code_assist", ["0"], messages=["open a " + " ".join(["7"] * 5000), "complete a 3"])
+    assert out.splitlines() == ["error: a is over 4095 tokens", "error: a is not open"]
+
+
 
 def test_tool_use_runs_the_earliest_tag_in_the_text(runtime):
     runtime.tools.calls.clear()
