@@ -57,6 +57,9 @@ def test_watermark_detected_on_watermarked_text_only(runtime):
     assert z_of(marked) > 4
     assert z_of(plain) < 2
     assert z_of(marked, key="7") < 2  # without the key the watermark is invisible
+    # A repeated pair is green every time or red every time: scored once, or "ha ha ha"
+    # scored z=7.5 unwatermarked.
+    assert z_of("ha " * 60) < 2 and z_of("The cat sat on the mat. " * 10, key="3") < 2
 
 
 def test_speculative_output_is_greedy_in_fewer_rounds(runtime, engine):
