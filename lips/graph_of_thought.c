@@ -60,18 +60,20 @@ int main(int argc, char **argv) {
             b[i].logprob += logprobs[pick];
             b[i].tokens++;
             b[i].pending = ids[pick];
-            text_push(&thought[i], &ids[pick], 1);
+            if (text_push(&thought[i], &ids[pick], 1) < 0) b[i].done = 1;  /* its buffer is full */
         }
     }
 
     /* Score and rank. */
+    /* An empty thought (end of text at once) ranks last. */
     int best = -1, second = -1;
+    double score[MAX_BRANCHES];
     for (int i = 0; i < branches; i++) {
-        double score = b[i].tokens ? b[i].logprob / b[i].tokens : -1e9;
-        int len = snprintf(line, sizeof line, "thought %d (score %.3f): %s\n", i, score, thought[i].bytes);
+        score[i] = b[i].tokens ? b[i].logprob / b[i].tokens : -1e9;
+        int len = snprintf(line, sizeof line, "thought %d (score %.3f): %s\n", i, score[i], thought[i].bytes);
         sym_send(line, len);
-        if (best < 0 || score > b[best].logprob / (b[best].tokens ? b[best].tokens : 1)) { second = best; best = i; }
-        else if (second < 0 || score > b[second].logprob / (b[second].tokens ? b[second].tokens : 1)) second = i;
+        if (best < 0 || score[i] > score[best]) { second = best; best = i; }
+        else if (second < 0 || score[i] > score[second]) second = i;
     }
 
     /* Aggregate: best thought (with the prompt) + the second's thought tokens, no recompute.
@@ -97,8 +99,7 @@ int main(int argc, char **argv) {
         int32_t token = check(sym_pred_sample(merged, feed, NULL, n_feed, NULL), "pred");
         n_feed = 1;
         feed[0] = token;
-        if (sym_is_eos(token)) break;
-        text_push(&conclusion, &token, 1);
+        if (sym_is_eos(token) || text_push(&conclusion, &token, 1) < 0) break;
     }
     len = snprintf(line, sizeof line, "conclusion: %s\n", conclusion.bytes);
     sym_send(line, len);
