@@ -184,10 +184,21 @@ def test_code_assist_refuses_a_document_over_its_token_buffer(runtime):
 
 
 
-def test_tool_use_runs_the_earliest_tag_in_the_text(runtime):
+def test_tool_use_runs_every_tag_of_the_prompt_in_order(runtime):
+    """Scanning went on after the first tool's result, at the end of the text, so a second
+    tag in the prompt never ran; a tool's result is still never scanned for tags."""
     runtime.tools.calls.clear()
-    run(runtime, "tool_use", ["Tom asked <calc>6*7</calc> and then <read>cat</read>", "4"])
-    assert list(runtime.tools.calls) == [("calculator", "6*7")]
+    out, _ = run(runtime, "tool_use", ["Tom asked <calc>6*7</calc> and then <read>cat</read> and <calc>2+3</calc>", "4"])
+    assert list(runtime.tools.calls) == [("calculator", "6*7"), ("docs", "cat"), ("calculator", "2+3")]
+    assert out.index("<result> 42 </result>") < out.index(DOCS["cat"]) < out.index("<result> 5 </result>")
+    docs = runtime.tools._tools["docs"]
+    runtime.tools.register("docs", lambda topic: "<calc>9*9</calc>")
+    try:
+        runtime.tools.calls.clear()
+        out, _ = run(runtime, "tool_use", ["<read>x</read> and <calc>1+1</calc>", "2"])
+    finally:
+        runtime.tools.register("docs", docs)
+    assert list(runtime.tools.calls) == [("docs", "x"), ("calculator", "1+1")]  # not 9*9
 
 def test_watermark_runs_on_a_vocabulary_past_65536_tokens(tmp_path):
     """Its logit bias covers about half the vocabulary: ~70,000 entries at 140,000 tokens
