@@ -81,7 +81,11 @@ static int32_t heal(const int32_t *candidates, int count, const char *heal_text,
 /* Completes the buffer `prompt`; sends the completion; returns 0 or a negative error. */
 static int complete(sym_kv buffer, int *buffer_len, int max_tokens, int ngram) {
     int n = sym_tokenize_prompt(prompt, history, MAX_IDS);
-    if (n < 2 || n + max_tokens > MAX_IDS) return n < 0 ? n : SYM_EINVAL;
+    if (n >= 0 && n < 2) {  /* an empty buffer (an editor cleared it): nothing to complete */
+        sym_send("\n", 1);
+        return 0;
+    }
+    if (n < 0 || n + max_tokens > MAX_IDS) return n < 0 ? n : SYM_EINVAL;
     /* Token healing: the buffer's KV holds all but the last prompt token. */
     int32_t healed = history[--n];
     char heal_text[256];

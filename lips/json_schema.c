@@ -75,6 +75,10 @@ static int32_t choose(const int32_t *allowed, int n, int32_t stop) {
 int main(int argc, char **argv) {
     const char *prompt = argc > 1 ? argv[1] : "Tom is a little boy. He is";
     sampling.temperature = argc > 2 ? (float)atof(argv[2]) : 0.0f;
+    if (!(sampling.temperature >= 0 && sampling.temperature <= 1e6f)) {  /* NaN too */
+        fprintf(stderr, "json_schema: the temperature is a number from 0 to 1e6\n");
+        return 2;
+    }
     sampling.top_p = 1.0f;
     sampling.has_seed = 1;
     sampling.seed = argc > 3 ? (uint64_t)atoll(argv[3]) * 1000 : 0;

@@ -31,9 +31,12 @@ int main(int argc, char **argv) {
     const char *prompt = argc > 1 ? argv[1] : "Once upon a time";
     int max_tokens = argc > 2 ? atoi(argv[2]) : 32;
     int max_draft = argc > 3 ? atoi(argv[3]) : 4;
-    if (max_draft < 0 || max_draft > MAX_DRAFT) max_draft = MAX_DRAFT;
+    if (max_draft < 0) max_draft = 0;
+    if (max_draft > MAX_DRAFT) max_draft = MAX_DRAFT;
     t.streaming = 1;
-    if (text_push_str(&t, prompt, 1) < 1 || t.n + max_tokens + MAX_DRAFT + 1 > TEXT_MAX_IDS) return 2;
+    /* (no sum that could overflow: MAX_TOKENS near INT_MAX passed it) */
+    if (text_push_str(&t, prompt, 1) < 1 || max_tokens < 0 || max_tokens > TEXT_MAX_IDS - t.n - MAX_DRAFT - 1)
+        return 2;
     sym_kv kv = check(sym_kv_create(), "kv_create");
 
     int pending = t.n;  /* tokens of t not yet in the KV file */

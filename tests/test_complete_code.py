@@ -97,3 +97,11 @@ def test_no_repeat_rule_stops_the_greedy_loop():
     (greedy, greedy_tokens), (guarded, guarded_tokens) = (completion_via_api(engine, prompt, 60, n) for n in (0, 4))
     assert repeated_ngrams(guarded_tokens) < repeated_ngrams(greedy_tokens), (greedy, guarded)
     assert run_complete_code(engine, [prompt], 60, 4)[0] == prompt + guarded + "\n"
+
+
+def test_an_emptied_buffer_gets_an_empty_completion_and_the_session_goes_on():
+    """An empty buffer (an editor cleared it) ended the session with exit 1."""
+    engine = Engine.from_path(DEFAULT_MODEL_DIR, device="cpu", page_size=16, num_pages=256)
+    prompt = "import sys\n"
+    text, _ = run_complete_code(engine, ["", prompt], 20, 4)
+    assert text == "\n" + prompt + completion_via_api(engine, prompt, 20, 4)[0] + "\n"

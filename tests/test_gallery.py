@@ -213,3 +213,14 @@ def test_watermark_runs_on_a_vocabulary_past_65536_tokens(tmp_path):
             run(runtime, "watermark", ["Once upon a time", "3", "42", "4.0", "1"])
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("name, args", [
+    ("speculative", ["Once", "2147483647", "4"]),  # the length check's sum overflowed and passed
+    ("json_schema", ["Tom is", "-1", "7"]),          # the host refused it: exit 1, no output
+    ("json_schema", ["Tom is", "nan", "7"]),
+])
+def test_gallery_arguments_out_of_range_are_usage_errors(runtime, name, args):
+    log = []
+    process = runtime.spawn(runtime.load(lip(name)), args, on_log=log.append)
+    assert runtime.wait(process, 60) == 2, (process.end_reason, "".join(log))
