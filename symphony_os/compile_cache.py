@@ -8,8 +8,8 @@ files this process's user wrote are loaded:
   anyone could have written into it;
 - it is opened once and every file is reached through that descriptor (a directory swapped in
   meanwhile is not followed), without following links;
-- a file is read only if it is a regular file of ours with one link (a file another user
-  planted, or a hard link to one, is not), from the descriptor that was checked;
+- a file is read only if it is a regular file of ours with no second link (a file another
+  user planted, or a hard link to one, is not), from the descriptor that was checked;
 - each file is written under a unique temporary name and renamed into place whole, and its
   sha256 is kept in a sidecar that is checked, over the very bytes that are then deserialized,
   before every load.
@@ -34,6 +34,8 @@ MAX_CACHE_BYTES = 2 * 2**30
 COMPILED, DIGEST, PARTIAL = ".cwasm", ".sha256", ".partial"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_NOCTTY = getattr(os, "O_NOCTTY", 0)
 
 
 class CompileCache:
@@ -57,17 +59,16 @@ class CompileCache:
                 log.warning("not caching compiled components: %s is not a directory of this user", directory)
                 os.close(fd)
                 return None
-            cache = cls(directory, fd, max_bytes)
             if info.st_mode & 0o077:  # ours, but open to others: close it, then drop what is in it
                 os.chmod(fd, 0o700)
                 log.warning("%s was open to other users: closed, and its files removed", directory)
-                cache._remove_all()
+                _remove_all(fd)
         except OSError as error:
             if fd is not None:
                 os.close(fd)
             log.warning("not caching compiled components in %s: %s", directory, error)
             return None
-        return cache
+        return cls(directory, fd, max_bytes)  # it owns the descriptor from here on
 
     def close(self) -> None:
         fd, self._fd = self._fd, None
@@ -81,17 +82,20 @@ class CompileCache:
         self.close()
 
     def __del__(self) -> None:
-        self.close()
+        if getattr(self, "_fd", None) is not None:
+            self.close()
 
     def _read(self, name: str) -> bytes | None:
-        """The bytes of `name` if it is a regular file of ours with one link, else None."""
+        """The bytes of `name` if it is a regular file of ours with no other link, else None.
+        Opened without blocking (a FIFO planted under the name would wait for a writer);
+        no link is fine too (renamed over or pruned since it was opened: still our file)."""
         try:
-            fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=self._fd)
+            fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _NOCTTY, dir_fd=self._fd)
         except OSError:
             return None
         with os.fdopen(fd, "rb") as file:
             info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_nlink != 1:
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_nlink > 1:
                 log.warning("compiled component file %s is not this user's own: ignored", name)
                 return None
             return file.read()
@@ -166,14 +170,19 @@ class CompileCache:
         for suffix in (COMPILED, DIGEST):
             self._unlink(f"{key}{suffix}")
 
-    def _remove_all(self) -> None:
-        for name in os.listdir(self._fd):
-            self._unlink(name)
-
     def _unlink(self, name: str) -> None:
-        try:
-            os.unlink(name, dir_fd=self._fd)
-        except FileNotFoundError:
-            pass
-        except OSError as error:  # a directory someone made in it while it was open, say
-            log.warning("cannot remove %s from the compile cache: %s", name, error)
+        _unlink(self._fd, name)
+
+
+def _remove_all(dir_fd: int) -> None:
+    for name in os.listdir(dir_fd):
+        _unlink(dir_fd, name)
+
+
+def _unlink(dir_fd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    except OSError as error:  # a directory someone made in it while it was open, say
+        log.warning("cannot remove %s from the compile cache: %s", name, error)

@@ -452,11 +452,13 @@ class HostCalls:
         return 0
 
     def poll_oneoff(self, mem: GuestMemory, in_ptr: int, out_ptr: int, nsubscriptions: int, nevents_ptr: int) -> int:
-        """WASI preview 1 poll_oneoff (sleep, in wasi-libc and Rust's std): refused with ENOTSUP.
-        wasmtime's own slept inside the host call, on the worker thread that runs every other
-        guest of the runtime: no time slice could end it, it used no CPU time, and a timeout of
-        2^64 ns held the runtime for good (close() waited on it). Waiting is `recv` or `pred`."""
-        return WASI_ENOTSUP
+        """WASI preview 1 poll_oneoff (sleep, in wasi-libc and Rust's std): refused with ENOTSUP
+        (EINVAL for no subscriptions, as the call's contract says). wasmtime's own slept inside
+        the host call, on the worker thread that runs every other guest of the runtime: no time
+        slice could end it, it used no CPU time, and a timeout of 2^64 ns held the runtime for
+        good (close() waited on it). Waiting is `recv` or `pred`. C's sleep() and nanosleep()
+        then return at once with ENOTSUP; Rust's std::thread::sleep panics (the process traps)."""
+        return WASI_EINVAL if nsubscriptions == 0 else WASI_ENOTSUP
 
     def random_get(self, mem: GuestMemory, buf_ptr: int, length: int) -> int:
         """WASI preview 1 random_get, at most MAX_TEXT_BYTES a call (EINVAL beyond: the call

@@ -75,9 +75,11 @@ class Usage:
         self.output_bytes = 0
         self.hostcalls = 0  # in the current one-second window
         self._window_start = self.started
-        # The clock is read every 1/16 of the rate, so a window a guest left idle is replaced
-        # within that many calls: a second may see at most 17/16 of the rate (reading it only
-        # past the limit let calls of a stale window and of a fresh one add up to twice it).
+        # Fixed one-second windows. The clock is read every 1/16 of the rate, so a window a
+        # guest left idle is replaced within that many calls and a window holds at most 17/16
+        # of the rate (reading it only past the limit let a stale window's room and a fresh
+        # one's add up at once). As with any fixed window, a second spanning the end of one
+        # window and the start of the next may see up to twice the rate.
         self._check_every = max(1, limits.hostcalls_per_s // 16)
         self._check_at = self._check_every
 
@@ -88,10 +90,11 @@ class Usage:
         if self.hostcalls < self._check_at:
             return
         now = time.monotonic()
+        limit = self.limits.hostcalls_per_s
         if now - self._window_start >= 1.0:
             self._window_start, self.hostcalls, self._check_at = now, 1, self._check_every
-            return
-        limit = self.limits.hostcalls_per_s
+            if limit >= 1:
+                return
         if self.hostcalls > limit:
             raise LimitExceeded(f"host-call rate limit {limit}/s exceeded")
         self._check_at = min(self.hostcalls + self._check_every, limit + 1)

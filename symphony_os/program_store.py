@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ class ProgramStore:
         self.compile_time_s = compile_time_s  # refuse modules that take longer to compile
         self.directory = Path(directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.directory, 0o700)  # one an older version made (or the operator) may be open
         self._compiled: dict[str, Program] = {}
         self._by_tenant: dict[str, dict[str, StoredProgram]] = {}
         self._reserved: dict[str, int] = {}  # bytes of uploads being compiled, per tenant
@@ -76,16 +78,19 @@ class ProgramStore:
         try:
             if compiled is None:
                 compiled = load_program(self.wasm_engine, data, name, compile_time_s=self.compile_time_s)
-            with self._lock:  # the file with the record: a removal meanwhile cannot leave one without it
-                path = self.directory / f"{sha}.wasm"
-                if not path.exists():
-                    tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
-                    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as file:
-                        file.write(data)
-                    tmp.replace(path)
-                self._compiled.setdefault(sha, compiled)
-                entry = StoredProgram(sha, name, len(data), time.time())
-                return self._by_tenant.setdefault(tenant, {}).setdefault(sha, entry)
+            # Written outside the lock (the event loop lists programs under it), put in place
+            # with the record under it: a removal meanwhile cannot leave a record without a file.
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{sha}.", suffix=".tmp")  # 0600
+            try:
+                with open(fd, "wb") as file:
+                    file.write(data)
+                with self._lock:
+                    os.replace(tmp, self.directory / f"{sha}.wasm")
+                    self._compiled.setdefault(sha, compiled)
+                    entry = StoredProgram(sha, name, len(data), time.time())
+                    return self._by_tenant.setdefault(tenant, {}).setdefault(sha, entry)
+            finally:
+                Path(tmp).unlink(missing_ok=True)  # gone already unless the write failed
         finally:
             with self._lock:
                 self._reserved[tenant] -= len(data)

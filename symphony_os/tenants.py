@@ -86,7 +86,8 @@ def _quota_problem(key: str, value) -> str | None:
     if key.endswith("_s"):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_QUOTA:
             return f"a number of seconds from 0 to {MAX_QUOTA}"
-    elif isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_QUOTA:
+    elif (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_QUOTA
+          or value != int(value)):  # 64e6 is a whole number too
         return f"a whole number from 0 to {MAX_QUOTA}"
     return None
 
@@ -138,7 +139,8 @@ class Tenants:
             if entry["token"] in tokens:
                 raise TenantsFileError(f"{where}: its token is another tenant's too")
             tokens.add(entry["token"])
-            quotas = Quotas(**{key: entry[key] for key in QUOTA_FIELDS if key in entry})
+            quotas = Quotas(**{key: entry[key] if key.endswith("_s") else int(entry[key])
+                               for key in QUOTA_FIELDS if key in entry})
             tenants.append(Tenant(name, entry["token"], quotas))
         return cls(tenants)
 

@@ -3,6 +3,7 @@ files checked against their digest before they are loaded, and a bounded size.""
 import hashlib
 import os
 import stat
+import threading
 import time
 import uuid
 
@@ -73,6 +74,18 @@ def test_only_regular_files_of_our_own_are_loaded(tmp_path):
     cache.store("ours", b"code")
     assert cache.load("ours") == b"code"
     cache.close()
+
+
+def test_a_fifo_under_a_key_is_not_waited_on(tmp_path):
+    """Opening a FIFO to read blocks until a writer comes: the compiling thread hung."""
+    cache = CompileCache.open(tmp_path)
+    os.mkfifo(tmp_path / "fifo.cwasm")
+    os.mkfifo(tmp_path / "fifo.sha256")
+    loaded = []
+    thread = threading.Thread(target=lambda: loaded.append(cache.load("fifo")), daemon=True)
+    thread.start()
+    thread.join(10)
+    assert loaded == [None]
 
 
 def test_temporary_files_a_killed_writer_left_are_pruned(tmp_path):

@@ -83,3 +83,10 @@ def test_host_call_rate_holds_after_an_idle_spell():
     assert 1000 <= accepted <= 1000 * 17 // 16
     time.sleep(1.05)
     usage.charge_hostcall()  # a new second, a new window
+
+
+def test_a_host_call_rate_of_zero_refuses_every_call():
+    usage = Usage(ProcessLimits(hostcalls_per_s=0))
+    for _ in range(3):
+        with pytest.raises(LimitExceeded):
+            usage.charge_hostcall()

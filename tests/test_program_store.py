@@ -1,5 +1,6 @@
 """Uploaded programs (symphony_os/program_store.py): shared compiled code, tenants' own names,
 private files."""
+import hashlib
 import stat
 
 from guests import wat
@@ -35,8 +36,12 @@ def test_each_tenant_runs_shared_bytes_under_its_own_name(tiny_engine, tmp_path)
 
 
 def test_stored_programs_are_readable_by_this_user_only(tiny_engine, tmp_path):
+    """Also in a directory an older version left open, over a file it left 0644."""
+    directory = tmp_path / "programs"
+    directory.mkdir(mode=0o755)
     with Runtime(tiny_engine) as runtime:
-        store = ProgramStore(runtime.wasm_engine, tmp_path / "programs")
+        store = ProgramStore(runtime.wasm_engine, directory)
+        (directory / f"{hashlib.sha256(ARGV0).hexdigest()}.wasm").write_bytes(ARGV0)
         entry = store.add("alice", ARGV0, "argv0", None)
     assert stat.S_IMODE(store.directory.stat().st_mode) == 0o700
     assert stat.S_IMODE((store.directory / f"{entry.sha256}.wasm").stat().st_mode) == 0o600

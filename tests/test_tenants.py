@@ -29,7 +29,9 @@ def test_a_quota_that_is_not_a_sane_number_is_refused_in_one_line(tmp_path, quot
 
 
 def test_quotas_become_the_tenants_process_limits(tmp_path):
-    tenants = Tenants.from_file(tenants_file(tmp_path, "cpu_time_s = 1.5\nmemory_bytes = 1048576\nmax_processes = 3"))
+    tenants = Tenants.from_file(tenants_file(tmp_path, "cpu_time_s = 1.5\nmemory_bytes = 1048576\nmax_processes = 3"
+                                                       "\nmax_upload_bytes = 64e6\nwall_time_s = 60"))
     alice = tenants.authenticate("alice-token")
     limits = alice.quotas.process_limits(ProcessLimits())
     assert (limits.cpu_time_s, limits.memory_bytes, alice.quotas.max_processes) == (1.5, 1048576, 3)
+    assert alice.quotas.max_upload_bytes == 64_000_000 and isinstance(alice.quotas.max_upload_bytes, int)

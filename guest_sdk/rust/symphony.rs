@@ -11,6 +11,9 @@
 //! errors are [`Error`] values instead of negative codes, a [`Kv`] closes its file when dropped,
 //! a [`Ticket`] is a pred in flight, and [`Context`] keeps a KV file and its tokens together
 //! (fill, generate until a stop, fork).
+//!
+//! WASI gives args, env, clocks, random and stdout/stderr (the process's log), but no sleep:
+//! `std::thread::sleep` panics (WASI poll_oneoff answers ENOTSUP). A LIP waits in `recv` or a pred.
 #![allow(dead_code)]
 
 /// The raw imports of module `symphony` (wit/symphony.wit): i32 in, i32 out; negative is an error.
