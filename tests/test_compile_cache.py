@@ -1,5 +1,6 @@
 """The cache of compiled components (symphony_os/compile_cache.py): a directory of our own,
 files checked against their digest before they are loaded, and a bounded size."""
+import gc
 import hashlib
 import os
 import stat
@@ -136,3 +137,22 @@ def test_bytes_whose_compile_kills_the_child_are_not_compiled_in_the_server(monk
 def test_bytes_wasmtime_refuses_still_say_why_under_a_compile_limit():
     with pytest.raises(ProgramError, match="invalid WebAssembly component"):
         load_program(wasmtime.Engine(), b"\x00asm\x0d\x00\x01\x00" + b"\x07" * 40, compile_time_s=30)
+
+
+def test_a_directory_that_cannot_be_closed_to_others_is_not_used_and_its_descriptor_closed_once(tmp_path, monkeypatch):
+    """Emptying an open directory failed (a read-only file system): the descriptor was closed,
+    then closed again by the discarded cache, by then another file's."""
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    os.chmod(loose, 0o777)
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "chmod", read_only)
+        assert CompileCache.open(loose) is None
+    with open(tmp_path / "other", "wb") as other:  # takes the number the directory had
+        gc.collect()
+        other.write(b"still open")
+        other.flush()
