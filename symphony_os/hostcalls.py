@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
@@ -33,6 +34,15 @@ SAMPLING_RECORD = struct.Struct("<ffiiQiiiii4x")  # sym_sampling: 48 bytes
 MAX_TOKENS_PER_PRED = 1 << 16
 MAX_TEXT_BYTES = 1 << 20
 WASI_EBADF, WASI_EFAULT, WASI_EINVAL, WASI_EIO, WASI_ENOTSUP = 8, 21, 28, 29, 58
+# poll_oneoff's records: a subscription (userdata, tag, then a clock's id, timeout, precision and
+# flags, or an fd's number in the id's place) and an event (userdata, error, type, nbytes, flags).
+SUBSCRIPTION = struct.Struct("<QB7xIxxxxQQH6x")
+EVENT = struct.Struct("<QHB5xQH6x")
+WASI_EVENT_CLOCK, WASI_EVENT_FD_READ, WASI_EVENT_FD_WRITE = 0, 1, 2
+WASI_CLOCK_REALTIME, WASI_CLOCK_MONOTONIC = 0, 1
+WASI_SUBSCRIPTION_CLOCK_ABSTIME = 1
+WASI_EVENT_FD_READWRITE_HANGUP = 1
+MAX_POLL_SUBSCRIPTIONS = 4096
 T = TypeVar("T")
 
 
@@ -49,6 +59,7 @@ class Block:
     finish: Callable[..., Any]
     failed: Callable[[ErrorCode], Any] = int
     args: tuple = ()
+    cancel: Callable[[], None] | None = None  # called if the process ends while it waits
 
 
 def _signature_of(func) -> int:
@@ -451,14 +462,67 @@ class HostCalls:
         mem.write_i32s(nwritten_ptr, [len(data)])
         return 0
 
-    def poll_oneoff(self, mem: GuestMemory, in_ptr: int, out_ptr: int, nsubscriptions: int, nevents_ptr: int) -> int:
-        """WASI preview 1 poll_oneoff (sleep, in wasi-libc and Rust's std): refused with ENOTSUP
-        (EINVAL for no subscriptions, as the call's contract says). wasmtime's own slept inside
-        the host call, on the worker thread that runs every other guest of the runtime: no time
-        slice could end it, it used no CPU time, and a timeout of 2^64 ns held the runtime for
-        good (close() waited on it). Waiting is `recv` or `pred`. C's sleep() and nanosleep()
-        then return at once with ENOTSUP; Rust's std::thread::sleep panics (the process traps)."""
-        return WASI_EINVAL if nsubscriptions == 0 else WASI_ENOTSUP
+    def poll_oneoff(self, mem: GuestMemory, in_ptr: int, out_ptr: int, nsubscriptions: int,
+                    nevents_ptr: int) -> int | Block:
+        """WASI preview 1 poll_oneoff: sleep (C's sleep and nanosleep, Rust's thread::sleep)
+        as a blocking call. wasmtime's own slept inside the host call, on the worker thread
+        that runs every other guest: no time slice ended it, it used no CPU time, and a
+        timeout of 2^64 ns held the runtime for good. Here the process waits on a timer
+        (timers.py) like one waiting for a pred; the wall-time limit still ends it.
+        Clock subscriptions (realtime or monotonic, relative or absolute) wait; stdout and
+        stderr are always ready to write, stdin always at its end (a LIP's input is `recv`),
+        any other descriptor is EBADF in its event, a CPU-time clock ENOTSUP: those answer at
+        once. Returns a WASI errno (the call's own; each event carries its own error)."""
+        if not 0 < nsubscriptions <= MAX_POLL_SUBSCRIPTIONS:
+            return WASI_EINVAL
+        try:
+            data = mem.read(in_ptr, SUBSCRIPTION.size * nsubscriptions)
+            mem.check(out_ptr, EVENT.size * nsubscriptions)
+            mem.check(nevents_ptr, 4)
+        except SymphonyError:
+            return WASI_EFAULT
+        now, wall = time.monotonic(), time.time()
+        at_once, clocks = [], []  # events ready now; (deadline, userdata) of the clocks
+        for i in range(nsubscriptions):
+            userdata, tag, which, timeout, _precision, flags = SUBSCRIPTION.unpack_from(data, i * SUBSCRIPTION.size)
+            if tag == WASI_EVENT_CLOCK:
+                if which not in (WASI_CLOCK_REALTIME, WASI_CLOCK_MONOTONIC):
+                    at_once.append((userdata, WASI_ENOTSUP, tag, 0, 0))
+                elif flags & WASI_SUBSCRIPTION_CLOCK_ABSTIME:  # a time on that clock
+                    # (the guest's monotonic clock counts from its WASI context's creation)
+                    origin = now - wall if which == WASI_CLOCK_REALTIME else self.process.monotonic_origin
+                    clocks.append((origin + timeout / 1e9, userdata))
+                else:
+                    clocks.append((now + timeout / 1e9, userdata))
+            elif tag in (WASI_EVENT_FD_READ, WASI_EVENT_FD_WRITE):
+                fd = which & 0xFFFFFFFF
+                if tag == WASI_EVENT_FD_WRITE and fd in (1, 2):
+                    at_once.append((userdata, 0, tag, MAX_TEXT_BYTES, 0))
+                elif tag == WASI_EVENT_FD_READ and fd == 0:
+                    at_once.append((userdata, 0, tag, 0, WASI_EVENT_FD_READWRITE_HANGUP))
+                else:
+                    at_once.append((userdata, WASI_EBADF, tag, 0, 0))
+            else:
+                return WASI_EINVAL
+
+        def events(mem: GuestMemory, ready: list) -> int:
+            out = bytearray()
+            for userdata, error, tag, nbytes, event_flags in ready:
+                out += EVENT.pack(userdata, error, tag, nbytes, event_flags)
+            mem.write(out_ptr, bytes(out))
+            mem.write_i32s(nevents_ptr, [len(ready)])
+            return 0
+
+        def due(at: float) -> list:
+            return [(userdata, 0, WASI_EVENT_CLOCK, 0, 0) for deadline, userdata in clocks if deadline <= at]
+
+        earliest = min(deadline for deadline, _ in clocks) if clocks else now
+        if at_once or earliest <= now:
+            return events(mem, at_once + due(now))
+        timers = self.process.timers
+        future = timers.at(earliest)
+        return Block("blocked-on-sleep", future, lambda mem: events(mem, due(time.monotonic())), wasi_failure,
+                     cancel=lambda: timers.cancel(future))
 
     def random_get(self, mem: GuestMemory, buf_ptr: int, length: int) -> int:
         """WASI preview 1 random_get, at most MAX_TEXT_BYTES a call (EINVAL beyond: the call
@@ -472,6 +536,12 @@ class HostCalls:
         except SymphonyError:
             return WASI_EFAULT
         return 0
+
+
+def wasi_failure(_code: ErrorCode) -> int:
+    """What a WASI function of ours answers when the host refuses or fails it (the rate limit,
+    a host bug): EIO, a WASI errno, where our own calls answer a negative code."""
+    return WASI_EIO
 
 
 def _finish_pred(mem: GuestMemory, calls: HostCalls, future: PredFuture, want: Want, out_ptr: int, cap: int) -> int:

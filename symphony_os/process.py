@@ -6,6 +6,7 @@ import enum
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from typing import Callable
 
@@ -17,6 +18,7 @@ from .guest_memory import GuestMemory, memory_locator
 from .hostcalls import Block, HostCalls
 from .limits import ProcessLimits, Usage, store_limits, trap_reason
 from .program import Program
+from .timers import Timers
 from .tools import ToolRegistry
 
 log = logging.getLogger("symphony.process")
@@ -33,6 +35,7 @@ class ProcessState(str, enum.Enum):
     RUNNABLE = "runnable"
     BLOCKED_ON_PRED = "blocked-on-pred"
     BLOCKED_ON_RECV = "blocked-on-recv"
+    BLOCKED_ON_SLEEP = "blocked-on-sleep"  # WASI poll_oneoff on a clock
     EXITED = "exited"
     KILLED = "killed"
 
@@ -49,24 +52,26 @@ class Process:
 
     # Slots: a round touches every process's fields; no per-process dict to fetch (and a
     # misspelt attribute fails at once).
-    __slots__ = ("pid", "program", "args", "engine", "kv", "tools", "limits", "state", "exit_code", "end_reason",
-                 "log", "_on_output", "_on_log", "_on_exit", "_inbox", "_inbox_bytes", "_inbox_lock",
+    __slots__ = ("pid", "program", "args", "engine", "kv", "tools", "timers", "limits", "state", "exit_code",
+                 "end_reason", "log", "_on_output", "_on_log", "_on_exit", "_inbox", "_inbox_bytes", "_inbox_lock",
                  "_input_closed", "_kill_reason", "ended", "cpu_time_s", "usage", "hostcalls", "store",
                  "_renew_time_slice", "_fiber", "_fresh", "_instantiating", "_memory", "memory", "_blocked", "wake",
-                 "_woken_by_pred", "__weakref__")
+                 "_woken_by_pred", "monotonic_origin", "__weakref__")
     POLLS_TO_RESUME = 1  # polls that run the guest on after its blocking call is answered
 
     def __init__(self, program: Program, args: list[str], env: dict[str, str], engine, kv_session,
                  linker: AsyncLinker, limits: ProcessLimits,
                  on_output: Callable[[bytes], None] | None = None,
                  on_log: Callable[[str], None] | None = None,
-                 on_exit: Callable[["Process"], None] | None = None, tools: ToolRegistry | None = None):
+                 on_exit: Callable[["Process"], None] | None = None, tools: ToolRegistry | None = None,
+                 timers: Timers | None = None):
         self.pid = next(_pids)
         self.program = program
         self.args = list(args)
         self.engine = engine
         self.kv = kv_session
         self.tools = tools if tools is not None else ToolRegistry()  # what the `tool` call may reach
+        self.timers = timers if timers is not None else Timers()  # what a sleep waits on
         self.limits = limits
         self.state = ProcessState.RUNNABLE
         self.exit_code: int | None = None
@@ -85,6 +90,7 @@ class Process:
         self.usage = Usage(limits)
         self.hostcalls = HostCalls(self)
         self.store = wasmtime.Store(linker.engine)
+        self.monotonic_origin = time.monotonic()  # where the guest's WASI monotonic clock starts (~0)
         self.store.set_wasi(self._wasi_config(program, self.args, env))
         store_limits(self.store, limits)
         set_time_slice(self.store, limits.time_slice_ticks)
@@ -282,6 +288,8 @@ class Process:
     def _end(self, state: ProcessState, code: int, reason: str) -> None:
         if self._fiber is not None:
             self._fiber.close()
+        if self._blocked is not None and self._blocked[0].cancel is not None:
+            self._blocked[0].cancel()  # a sleep's timer, say
         self._blocked = None
         with self._inbox_lock:
             self._inbox.clear()

@@ -20,13 +20,14 @@ from .component import ComponentLinker, ComponentProcess
 from .engine import Engine
 from .fiber import AsyncLinker, EpochTicker, Ready, make_async_engine
 from .gc_tuning import tune_gc, untune_gc
-from .hostcalls import WASI_CALLS, WASI_EIO, Block, HostCalls
+from .hostcalls import WASI_CALLS, Block, HostCalls, wasi_failure
 from .limits import Watchdog
 from .process import Process, ProcessLimits
+from .timers import Timers
 from .program import Program, load_program, load_program_file
 from .tools import ToolRegistry, default_tools
 
-BLOCKING_CALLS = ("pred_wait", "pred", "recv")
+BLOCKING_CALLS = ("pred_wait", "pred", "recv", "poll_oneoff")  # may return a Block: a fiber waits
 EPOCH_INTERVAL_S = 0.01  # one epoch tick: a guest's time slice is a multiple of this
 
 
@@ -227,13 +228,9 @@ class BatchDriver:
             self._cond.notify_all()
 
 
-def _wasi_failure(_code) -> int:
-    return WASI_EIO
-
-
 def _handler(name: str, blocking: bool):
     method = getattr(HostCalls, name)
-    failed = _wasi_failure if name in WASI_CALLS else int  # a WASI function answers a WASI errno
+    failed = wasi_failure if name in WASI_CALLS else int  # a WASI function answers a WASI errno
 
     def handle(call, args):
         process: Process = call.fiber.owner
@@ -254,19 +251,20 @@ class Runtime:
         self.engine = engine
         self.limits = limits
         self.tools = tools if tools is not None else default_tools()  # the operator's tools
+        self.timers = Timers()  # sleeping guests' deadlines
         self.wasm_engine = make_async_engine(epoch_interruption=True, max_wasm_stack_bytes=limits.wasm_stack_bytes,
                                              consume_fuel=limits.fuel is not None)
         self.linker = AsyncLinker(self.wasm_engine)
         self.linker.define_wasi()
         i32 = wasmtime.ValType.i32()
         self.linker.linker.allow_shadowing = True
-        for name, arity in HostCalls.wasi_table().items():  # ours instead of wasmtime's (hostcalls.py says why)
-            self.linker.define_func("wasi_snapshot_preview1", name, [i32] * arity, [i32], _handler(name, False))
-        self.linker.linker.allow_shadowing = False
-        for name, arity in HostCalls.table().items():
-            blocking = name in BLOCKING_CALLS
-            define = self.linker.define_async if blocking else self.linker.define_func
-            define("symphony", name, [i32] * arity, [i32], _handler(name, blocking))
+        for module, table in (("wasi_snapshot_preview1", HostCalls.wasi_table()),  # ours instead of wasmtime's
+                              ("symphony", HostCalls.table())):
+            for name, arity in table.items():
+                blocking = name in BLOCKING_CALLS
+                define = self.linker.define_async if blocking else self.linker.define_func
+                define(module, name, [i32] * arity, [i32], _handler(name, blocking))
+            self.linker.linker.allow_shadowing = False
         # drive_in_caller: batches and process rounds run inside wait() on the caller's thread
         # (one waiter only: `symphony run`), instead of on threads of their own.
         self.driver = BatchDriver(engine, own_thread=not drive_in_caller)
@@ -313,6 +311,7 @@ class Runtime:
                 self.driver.thread.join()
             self._ticker.stop()
             self._watchdog.stop()
+            self.timers.stop()
             self._started = False
             untune_gc()
 
@@ -341,7 +340,7 @@ class Runtime:
         session = self.engine.kvfs.session(tenant, max_handles=limits.kv_handles)
         kind, linker = (ComponentProcess, self._component_linker()) if program.is_component else (Process, self.linker)
         process = kind(program, list(args), dict(env or {}), self.engine, session, linker, limits,
-                          on_output=on_output, on_log=on_log, on_exit=on_exit, tools=self.tools)
+                       on_output=on_output, on_log=on_log, on_exit=on_exit, tools=self.tools, timers=self.timers)
         self.processes[process.pid] = process
         worker = min(self.workers, key=lambda w: len(w.processes))
         worker.add(process)

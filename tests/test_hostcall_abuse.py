@@ -2,10 +2,12 @@
 lengths, stale and foreign handles, bad tickets. Each gets its error code; the host and a
 well-behaved process next to it carry on; nothing leaks."""
 import struct
+import time
+from pathlib import Path
 
 import pytest
 
-from guests import wat
+from guests import ECHO, build_c, rust_test_guest, wat
 from symphony_os.errors import ErrorCode as E
 from symphony_os.hostcalls import MAX_TEXT_BYTES, HostCalls
 from symphony_os.limits import ProcessLimits
@@ -13,6 +15,7 @@ from symphony_os.process import EXIT_KILLED
 from symphony_os.runtime import Runtime
 from symphony_os.sampling import GreedyEach
 
+ROOT = Path(__file__).resolve().parent.parent
 PAGE = 65536  # the guest has one page of memory
 OOB, NEG, HUGE = PAGE - 2, -1, 0x7FFFFFF0
 TEXT, BAD_IDS, GOOD_IDS, BAD_IOVEC = 1024, 1100, 1200, 1300
@@ -253,25 +256,69 @@ def test_one_fd_write_takes_at_most_a_mib_whatever_its_iovecs_say(tiny_engine):
     assert sum(len(part) for part in log) == MAX_TEXT_BYTES
 
 
-def test_wasi_sleep_is_refused_at_once(tiny_engine):
-    """poll_oneoff with a clock subscription slept inside the host call, on the worker thread
-    that runs every guest: no time slice ended it, it used no CPU time, and a timeout of 2^64 ns
-    held the whole runtime for good (close() too). It answers ENOTSUP at once."""
-    sleeper = wat('''(module
+def sleeper(timeout_ns: int, flags: int = 0) -> bytes:
+    """Sleeps on WASI poll_oneoff (one monotonic clock subscription, userdata 7), then sends
+    the call's errno, nevents and the event's userdata, error and type."""
+    return wat(f'''(module
       (import "wasi_snapshot_preview1" "poll_oneoff" (func $poll (param i32 i32 i32 i32) (result i32)))
       (import "symphony" "send" (func $send (param i32 i32) (result i32)))
       (memory (export "memory") 1)
       (func (export "_start")
-        (i32.store8 (i32.const 8) (i32.const 0))   ;; a clock subscription
-        (i32.store (i32.const 16) (i32.const 1))   ;; monotonic
-        (i64.store (i32.const 24) (i64.const 20000000000))  ;; 20 s from now
-        (i32.store (i32.const 1024) (call $poll (i32.const 0) (i32.const 256) (i32.const 1) (i32.const 512)))
-        (drop (call $send (i32.const 1024) (i32.const 4)))))''')
+        (i64.store (i32.const 0) (i64.const 7))     ;; userdata
+        (i32.store8 (i32.const 8) (i32.const 0))    ;; a clock subscription
+        (i32.store (i32.const 16) (i32.const 1))    ;; monotonic
+        (i64.store (i32.const 24) (i64.const {timeout_ns}))
+        (i32.store16 (i32.const 40) (i32.const {flags}))
+        (i32.store (i32.const 1024) (call $poll (i32.const 0) (i32.const 256) (i32.const 1) (i32.const 1028)))
+        (i64.store (i32.const 1032) (i64.load (i32.const 256)))        ;; the event's userdata
+        (i32.store (i32.const 1040) (i32.load16_u (i32.const 264)))    ;; its error
+        (i32.store (i32.const 1044) (i32.load8_u (i32.const 266)))     ;; its type
+        (drop (call $send (i32.const 1024) (i32.const 24)))))''')
+
+
+def test_a_sleeping_guest_waits_without_holding_the_others(tiny_engine):
+    """wasmtime's poll_oneoff slept inside the host call, on the worker thread that runs every
+    guest: the others stopped with it. The sleeper now waits on a timer, suspended."""
     with Runtime(tiny_engine, workers=1) as runtime:
+        out, other = [], []
+        started = time.monotonic()
+        proc = runtime.spawn(runtime.load(sleeper(600_000_000), "sleeper"), on_output=out.append)
+        time.sleep(0.1)
+        assert proc.state.value == "blocked-on-sleep"
+        quick = runtime.spawn(runtime.load(ECHO, "echo"), on_output=other.append)
+        quick.deliver(b"hi")
+        quick.close_input()
+        assert runtime.wait(quick, 5) == 0 and other == [b"hi"]
+        assert not proc.ended.is_set()  # the echo ran while the sleeper slept
+        assert runtime.wait(proc, 10) == 0, proc.end_reason
+        assert time.monotonic() - started >= 0.6
+    assert struct.unpack("<iiqii", out[0]) == (0, 1, 7, 0, 0)  # one clock event, userdata 7
+
+
+def test_a_guest_sleeping_for_ever_ends_at_its_wall_limit_and_leaves_no_timer(tiny_engine):
+    """A timeout of 2^64 ns held the runtime for good (close() waited on it)."""
+    with Runtime(tiny_engine, workers=1) as runtime:
+        proc = runtime.spawn(runtime.load(sleeper(-1), "sleeper"), limits=ProcessLimits(wall_time_s=0.5))
+        assert runtime.wait(proc, 10) == EXIT_KILLED
+        assert proc.end_reason == "killed: wall time limit 0.5s exceeded"
+        assert len(runtime.timers) == 0
+
+
+def test_a_sleep_until_a_time_already_past_answers_at_once(tiny_engine):
+    with Runtime(tiny_engine) as runtime:
         out = []
-        proc = runtime.spawn(runtime.load(sleeper, "sleeper"), on_output=out.append)
-        assert runtime.wait(proc, 5) == 0, proc.end_reason
-    assert struct.unpack("<i", out[0]) == (58,)  # WASI ENOTSUP
+        proc = runtime.spawn(runtime.load(sleeper(1, flags=1), "sleeper"), on_output=out.append)  # absolute: 1 ns
+        assert runtime.wait(proc, 5) == 0
+    assert struct.unpack("<iiqii", out[0]) == (0, 1, 7, 0, 0)
+
+
+def test_c_sleep_and_nanosleep_sleep(tiny_engine, tmp_path):
+    program = build_c(ROOT / "tests" / "c_guests" / "sleep.c", tmp_path / "sleep.wasm")
+    with Runtime(tiny_engine) as runtime:
+        out = []
+        proc = runtime.spawn(runtime.load(program), on_output=out.append)
+        assert runtime.wait(proc, 10) == 0, (proc.end_reason, out)
+    assert 300 <= int(out[0].split()[1]) < 3000
 
 
 def test_wasi_random_get_fills_up_to_a_mib_and_refuses_more(tiny_engine):
@@ -292,3 +339,33 @@ def test_wasi_random_get_fills_up_to_a_mib_and_refuses_more(tiny_engine):
         assert runtime.wait(proc, 10) == 0, proc.end_reason
     assert struct.unpack("<3i", out[0][:12]) == (0, 28, 21)  # ok, EINVAL, EFAULT
     assert out[0][16:48] != bytes(32)
+
+
+def test_rust_thread_sleep_sleeps(tiny_engine):
+    """Rust's std panics on any error from poll_oneoff: sleep must work, not be refused."""
+    with Runtime(tiny_engine) as runtime:
+        out = []
+        proc = runtime.spawn(runtime.load(rust_test_guest("sleep")), on_output=out.append)
+        assert runtime.wait(proc, 10) == 0, proc.end_reason
+    assert 300 <= int(out[0]) < 3000
+
+
+def test_poll_on_descriptors_answers_at_once(tiny_engine):
+    """stdout is always ready to write; any descriptor but 0-2 is EBADF in its event."""
+    module = wat('''(module
+      (import "wasi_snapshot_preview1" "poll_oneoff" (func $poll (param i32 i32 i32 i32) (result i32)))
+      (import "symphony" "send" (func $send (param i32 i32) (result i32)))
+      (memory (export "memory") 1)
+      (func (export "_start")
+        (i64.store (i32.const 0) (i64.const 1)) (i32.store8 (i32.const 8) (i32.const 2)) (i32.store (i32.const 16) (i32.const 1))
+        (i64.store (i32.const 48) (i64.const 2)) (i32.store8 (i32.const 56) (i32.const 1)) (i32.store (i32.const 64) (i32.const 5))
+        (i32.store (i32.const 1024) (call $poll (i32.const 0) (i32.const 256) (i32.const 2) (i32.const 1028)))
+        (drop (call $send (i32.const 1024) (i32.const 8)))
+        (drop (call $send (i32.const 256) (i32.const 64)))))''')
+    with Runtime(tiny_engine) as runtime:
+        out = []
+        proc = runtime.spawn(runtime.load(module, "poll"), on_output=out.append)
+        assert runtime.wait(proc, 5) == 0, proc.end_reason
+    assert struct.unpack("<ii", out[0]) == (0, 2)
+    events = [struct.unpack_from("<QHB5xQH6x", out[1], 32 * i) for i in range(2)]
+    assert events == [(1, 0, 2, MAX_TEXT_BYTES, 0), (2, 8, 1, 0, 0)]

@@ -4,9 +4,8 @@
  *     python -m ziglang cc --target=wasm32-wasi -O2 -I guest_sdk/c prog.c -o prog.wasm
  * It drives generation through the system calls below, imported from module "symphony" and
  * described in wit/symphony.wit. Every call returns a negative SYM_E* code on failure.
- * Header-only: nothing to link. WASI gives args, env, clocks, random and stdout/stderr (the
- * process's log); there is no sleep (poll_oneoff answers ENOTSUP: sleep() and nanosleep()
- * return at once): a LIP waits in sym_recv or a pred.
+ * Header-only: nothing to link. WASI gives args, env, clocks, random, sleep (the process
+ * waits, suspended; the others run) and stdout/stderr (the process's log).
  */
 #ifndef SYMPHONY_H
 #define SYMPHONY_H

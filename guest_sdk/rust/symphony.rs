@@ -12,8 +12,8 @@
 //! a [`Ticket`] is a pred in flight, and [`Context`] keeps a KV file and its tokens together
 //! (fill, generate until a stop, fork).
 //!
-//! WASI gives args, env, clocks, random and stdout/stderr (the process's log), but no sleep:
-//! `std::thread::sleep` panics (WASI poll_oneoff answers ENOTSUP). A LIP waits in `recv` or a pred.
+//! WASI gives args, env, clocks, random, `std::thread::sleep` (the process waits, suspended; the
+//! others run) and stdout/stderr (the process's log).
 #![allow(dead_code)]
 
 /// The raw imports of module `symphony` (wit/symphony.wit): i32 in, i32 out; negative is an error.
