@@ -43,6 +43,7 @@ WASI_CLOCK_REALTIME, WASI_CLOCK_MONOTONIC = 0, 1
 WASI_SUBSCRIPTION_CLOCK_ABSTIME = 1
 WASI_EVENT_FD_READWRITE_HANGUP = 1
 MAX_POLL_SUBSCRIPTIONS = 4096
+MIN_SLEEP_S = 0.001  # a sleep that waits at all waits this long at least (Linux's timer slack is 50 us)
 T = TypeVar("T")
 
 
@@ -519,8 +520,10 @@ class HostCalls:
         earliest = min(deadline for deadline, _ in clocks) if clocks else now
         if at_once or earliest <= now:
             return events(mem, at_once + due(now))
+        # At least MIN_SLEEP_S: each wait costs host work (the timer thread, a wake, a round)
+        # that no guest is charged for, so a loop of 1 ns sleeps took twice the CPU it paid.
         timers = self.process.timers
-        future = timers.at(earliest)
+        future = timers.at(max(earliest, now + MIN_SLEEP_S))
         return Block("blocked-on-sleep", future, lambda mem: events(mem, due(time.monotonic())), wasi_failure,
                      cancel=lambda: timers.cancel(future))
 

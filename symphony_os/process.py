@@ -90,8 +90,10 @@ class Process:
         self.usage = Usage(limits)
         self.hostcalls = HostCalls(self)
         self.store = wasmtime.Store(linker.engine)
-        self.monotonic_origin = time.monotonic()  # where the guest's WASI monotonic clock starts (~0)
         self.store.set_wasi(self._wasi_config(program, self.args, env))
+        # Where the guest's WASI monotonic clock starts (its 0 is the WASI context's creation):
+        # read after it, so an absolute sleep on that clock ends late by microseconds, never early.
+        self.monotonic_origin = time.monotonic()
         store_limits(self.store, limits)
         set_time_slice(self.store, limits.time_slice_ticks)
         self._renew_time_slice = time_slice_renewer(self.store, limits.time_slice_ticks)

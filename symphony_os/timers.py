@@ -23,11 +23,14 @@ class Timers:
     """One daemon thread completing futures at their deadlines (time.monotonic). A future whose
     waiter is gone is `cancel`led: its entry leaves the heap at once if it is next, or when the
     cancelled ones outnumber the live (a process that slept for 2^64 ns and was killed meanwhile
-    leaves nothing behind)."""
+    leaves nothing behind). Entries are [deadline, order, future]; a cancelled one's future is
+    None (marking the entry, never a future's id: a freed future's id comes back with the next
+    one, which was then never answered)."""
 
     def __init__(self):
-        self._heap: list[tuple[float, int, PredFuture]] = []
-        self._cancelled: set[int] = set()  # ids of futures in the heap that nobody waits for
+        self._heap: list[list] = []
+        self._entries: dict[PredFuture, list] = {}  # the futures still to answer -> their entries
+        self._cancelled = 0  # entries in the heap whose future is None
         self._cond = threading.Condition()
         self._order = itertools.count()  # ties: first asked, first answered
         self._thread: threading.Thread | None = None
@@ -36,13 +39,15 @@ class Timers:
     def __len__(self) -> int:
         """Deadlines still to answer."""
         with self._cond:
-            return sum(id(entry[2]) not in self._cancelled for entry in self._heap)
+            return len(self._entries)
 
     def at(self, deadline: float) -> PredFuture:
         """A future answered (with None) once time.monotonic() reaches `deadline`."""
         future = PredFuture()
+        entry = [deadline, next(self._order), future]
         with self._cond:
-            heapq.heappush(self._heap, (deadline, next(self._order), future))
+            heapq.heappush(self._heap, entry)
+            self._entries[future] = entry
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="symphony-timers", daemon=True)
                 self._thread.start()
@@ -50,20 +55,22 @@ class Timers:
         return future
 
     def cancel(self, future: PredFuture) -> None:
-        """Nobody waits for `future` any more: never answer it."""
+        """Nobody waits for `future` any more: never answer it (a no-op once it is answered,
+        or taken out to be)."""
         with self._cond:
-            if future.done():
+            entry = self._entries.pop(future, None)
+            if entry is None:
                 return
-            if self._heap and self._heap[0][2] is future:
+            entry[2] = None
+            self._cancelled += 1
+            if self._heap[0] is entry:
                 heapq.heappop(self._heap)
+                self._cancelled -= 1
                 self._cond.notify()  # the thread may be waiting for its deadline
-                return
-            # (A future just taken out to be answered lands here too: the next rebuild forgets it.)
-            self._cancelled.add(id(future))
-            if len(self._cancelled) > _COMPACT_AT and 2 * len(self._cancelled) > len(self._heap):
-                self._heap = [entry for entry in self._heap if id(entry[2]) not in self._cancelled]
+            elif self._cancelled > _COMPACT_AT and 2 * self._cancelled > len(self._heap):
+                self._heap = [entry for entry in self._heap if entry[2] is not None]
                 heapq.heapify(self._heap)
-                self._cancelled.clear()
+                self._cancelled = 0
 
     def stop(self) -> None:
         """End the thread; deadlines not reached are forgotten (their processes have ended).
@@ -76,7 +83,8 @@ class Timers:
             thread.join()
         with self._cond:
             self._heap.clear()
-            self._cancelled.clear()
+            self._entries.clear()
+            self._cancelled = 0
             self._thread, self._stopping = None, False
 
     def _run(self) -> None:
@@ -87,9 +95,10 @@ class Timers:
                     now = time.monotonic()
                     while self._heap and self._heap[0][0] <= now:
                         future = heapq.heappop(self._heap)[2]
-                        if id(future) in self._cancelled:
-                            self._cancelled.discard(id(future))
+                        if future is None:
+                            self._cancelled -= 1
                         else:
+                            del self._entries[future]
                             due.append(future)
                     if due:
                         break

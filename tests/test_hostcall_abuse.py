@@ -9,7 +9,7 @@ import pytest
 
 from guests import ECHO, build_c, rust_test_guest, wat
 from symphony_os.errors import ErrorCode as E
-from symphony_os.hostcalls import MAX_TEXT_BYTES, HostCalls
+from symphony_os.hostcalls import MAX_TEXT_BYTES, MIN_SLEEP_S, HostCalls
 from symphony_os.limits import ProcessLimits
 from symphony_os.process import EXIT_KILLED
 from symphony_os.runtime import Runtime
@@ -369,3 +369,23 @@ def test_poll_on_descriptors_answers_at_once(tiny_engine):
     assert struct.unpack("<ii", out[0]) == (0, 2)
     events = [struct.unpack_from("<QHB5xQH6x", out[1], 32 * i) for i in range(2)]
     assert events == [(1, 0, 2, MAX_TEXT_BYTES, 0), (2, 8, 1, 0, 0)]
+
+
+def test_a_sleep_that_waits_at_all_waits_a_millisecond(tiny_engine):
+    """Each wait costs the host work no guest is charged for (the timer thread, a wake, a
+    round): a loop of 1 ns sleeps took twice the CPU it paid for."""
+    module = wat('''(module
+      (import "wasi_snapshot_preview1" "poll_oneoff" (func $poll (param i32 i32 i32 i32) (result i32)))
+      (memory (export "memory") 1)
+      (func (export "_start") (local $i i32)
+        (i32.store (i32.const 16) (i32.const 1))  ;; a relative monotonic clock subscription
+        (i64.store (i32.const 24) (i64.const 1))  ;; of 1 ns
+        (loop $naps
+          (drop (call $poll (i32.const 0) (i32.const 256) (i32.const 1) (i32.const 512)))
+          (local.set $i (i32.add (local.get $i) (i32.const 1)))
+          (br_if $naps (i32.lt_u (local.get $i) (i32.const 50))))))''')
+    with Runtime(tiny_engine) as runtime:
+        started = time.monotonic()
+        proc = runtime.spawn(runtime.load(module, "naps"))
+        assert runtime.wait(proc, 10) == 0, proc.end_reason
+        assert time.monotonic() - started >= 50 * MIN_SLEEP_S

@@ -31,6 +31,21 @@ def test_cancelled_futures_are_never_answered_and_leave_nothing():
     timers.stop()
 
 
+def test_a_future_cancelled_while_it_is_being_answered_costs_no_later_one_its_answer():
+    """Cancelled between leaving the heap and its answer, its id was kept as cancelled; the next
+    future, allocated at the freed one's address, shared the id and was never answered."""
+    timers = Timers()
+    first, second = timers.at(time.monotonic()), timers.at(time.monotonic())
+    cancelled = []
+    first.add_done_callback(lambda _: (timers.cancel(second), cancelled.append(second.done())))
+    first.result(5)
+    second.result(5)  # answered already, or being answered: cancelling it did nothing
+    first = second = None  # freed: a later future may take their addresses
+    for _ in range(20):
+        assert timers.at(time.monotonic()).result(5) is None
+    timers.stop()
+
+
 def test_timers_start_again_after_a_stop():
     timers = Timers()
     timers.at(time.monotonic() + 1e9)
