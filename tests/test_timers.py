@@ -35,7 +35,8 @@ def test_a_future_cancelled_while_it_is_being_answered_costs_no_later_one_its_an
     """Cancelled between leaving the heap and its answer, its id was kept as cancelled; the next
     future, allocated at the freed one's address, shared the id and was never answered."""
     timers = Timers()
-    first, second = timers.at(time.monotonic()), timers.at(time.monotonic())
+    deadline = time.monotonic() + 0.2  # both in the heap well before: taken out together
+    first, second = timers.at(deadline), timers.at(deadline)
     cancelled = []
     first.add_done_callback(lambda _: (timers.cancel(second), cancelled.append(second.done())))
     first.result(5)
