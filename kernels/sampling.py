@@ -10,7 +10,8 @@ No sort. Each row is read in chunks, several times:
    all kept); the top-p cut the same way over the kept probability mass; a Gumbel-max draw,
    argmax(y + g) over the kept tokens, which is an exact draw from softmax(y) restricted to
    them; the top log-probs by repeated max.
-Ties in argmax and in the top log-probs go to the lowest token id.
+Ties in argmax and in the top log-probs go to the lowest token id. A sampled row whose
+processed logits hold a NaN or +inf, or are all -inf, gets token -1 (a failed row).
 """
 from __future__ import annotations
 
@@ -170,13 +171,15 @@ def _sample_kernel(x_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr,
     row_divisor = tl.where(sampled, temperature, 1.0)
     divisor = row_divisor[:, None]
 
-    # Pass 1: max and argmax of x.
+    # Pass 1: max and argmax of x, and whether x has a NaN.
     best = tl.full([BLOCK_B], _MIN_PACKED, tl.int64)
+    has_nan = tl.zeros([BLOCK_B], tl.int32)
     for start in range(0, vocab_size, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = row_valid[:, None] & (cols[None, :] < vocab_size)
         x = tl.load(row_base + cols[None, :], mask=mask, other=float("-inf"))
         best = tl.maximum(best, tl.max(tl.where(mask, _pack(x, cols[None, :]), _MIN_PACKED), 1))
+        has_nan = tl.maximum(has_nan, tl.max((mask & (x != x)).to(tl.int32), 1))
     x_max = _packed_value(best)
     token = _packed_token(best)
 
@@ -211,7 +214,12 @@ def _sample_kernel(x_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr,
             token_grid = cols[None, :] + tl.zeros([BLOCK_B, BLOCK_V], tl.int32)
             perturbed = y + _gumbel(seed[:, None], token_grid)
             best_draw = tl.maximum(best_draw, tl.max(tl.where(keep, _pack(perturbed, cols[None, :]), _MIN_PACKED), 1))
-        token = tl.where(sampled, _packed_token(best_draw), token)
+        # Non-finite logits (a NaN, +inf, or every token at -inf) leave nothing to draw from:
+        # the row fails (token -1), as the host reference's does, rather than yield a wrong id
+        # (it gave 2^31 - 1, past the vocabulary).
+        finite = (x_max > float("-inf")) & (x_max < float("inf")) & (has_nan == 0)
+        failed = ~finite | (best_draw == _MIN_PACKED)
+        token = tl.where(sampled, tl.where(failed, -1, _packed_token(best_draw)), token)
     tl.store(token_ids_ptr + rows, token, mask=row_valid)
 
     # Top log-probs of x (temperature 1): the k largest by repeated max below the last one found.
@@ -254,7 +262,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     int32 bitmask `[B, ceil(V / 32)]` (bit j % 32 of word j // 32 allows token j); a row that
     allows everything passes all True / all bits set.
 
-    Order: bias, allowed mask, then greedy or (divide by temperature, top-k, top-p, draw).
+    Order: bias, allowed mask, then greedy or (divide by temperature, top-k, top-p, draw). A
+    sampled row with non-finite processed logits (NaN, +inf, or all -inf) gets token -1.
     Top-k keeps every token tied with the k-th; top-p keeps the fewest most likely tokens
     whose mass reaches top_p, plus every token tied with the last of them.
     num_logprobs > 0 also returns, per row, the num_logprobs largest log_softmax values of the

@@ -28,6 +28,10 @@ from .errors import InvalidArgument
 KERNEL_MAX_TOP_K = 32
 
 FLOAT32_MAX = torch.finfo(torch.float32).max  # a logit bias beyond it is inf in the batch's float32 logits
+# The smallest temperature used: a smaller positive one is 0 in float32 (the device path ran it
+# greedy, the host divided by 0 and raised); at this one the tokens tied at the largest logit
+# are drawn among, the rest are at -inf.
+FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,10 @@ class Sample:
 
     temperature 0 is greedy (argmax); any finite positive one, however small, samples (the
     logits are scaled relative to the largest, so none overflows: a vanishing one draws among
-    the tokens tied at the largest logit). `seed` makes this one draw reproducible (a LIP that
+    the tokens tied at the largest logit). top_k keeps the k most likely tokens and every
+    token tied with the k-th; top_p, of those, the fewest most likely whose probability
+    reaches top_p and every token tied with the last of them (on the host and the device
+    alike). `seed` makes this one draw reproducible (a LIP that
     wants a reproducible sequence passes seed + step); the draw for a seed differs between the
     host and the device path, each is deterministic. `logit_bias` maps token id -> value added
     to its logit; `allowed_tokens` restricts the choice to those ids (constrained decoding).
@@ -194,17 +201,28 @@ def _sample_row(logits: torch.Tensor, want: Sample, generator: torch.Generator) 
         return int(logits.argmax())
     # Relative to the largest: at most 0, so no temperature, however small, overflows (the
     # largest stays 0) and the softmax below is never NaN (kernels/sampling.py does the same).
-    logits = (logits - logits.max()) / want.temperature
+    logits = (logits - logits.max()) / max(want.temperature, FLOAT32_TINY)
     if want.top_k and want.top_k < logits.numel():
         threshold = torch.topk(logits, want.top_k).values[-1]
         logits = logits.masked_fill(logits < threshold, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if want.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # Drop a token when the tokens before it already reach top_p (the first always stays).
-        drop = sorted_probs.cumsum(0) - sorted_probs >= want.top_p
-        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+        sorted_probs, _ = probs.sort(descending=True)
+        # Drop a token when the tokens before it already reach top_p (the first always stays),
+        # unless it ties with the last one kept.
+        last_kept = sorted_probs[~(sorted_probs.cumsum(0) - sorted_probs >= want.top_p)][-1]
+        probs = probs.masked_fill(probs < last_kept, 0.0)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def top_k_of_row(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) of the k largest of a 1-D tensor, largest first, ties to the lower id
+    (torch.topk orders ties as it likes, and may keep a higher id tied at the k-th)."""
+    k = min(k, values.numel())
+    threshold = torch.topk(values, k).values[-1]
+    candidates = (values >= threshold).nonzero().squeeze(1)  # ascending ids
+    order = values[candidates].sort(descending=True, stable=True).indices[:k]
+    return values[candidates[order]], candidates[order]
 
 
 def process_logits_reference(logits: torch.Tensor, wants: list[Want],
@@ -231,7 +249,7 @@ def process_logits_reference(logits: torch.Tensor, wants: list[Want],
             elif isinstance(want, TopK):
                 if log_probs is None:
                     log_probs = torch.log_softmax(logits, dim=-1)
-                values, ids = torch.topk(log_probs[row], want.k)
+                values, ids = top_k_of_row(log_probs[row], want.k)
                 results.append(PredResult(top_ids=ids.tolist(), top_logprobs=values.tolist()))
             elif want.temperature == 0 and not want.logit_bias and want.allowed_tokens is None:
                 if greedy is None:  # one argmax over the batch, one transfer
@@ -304,7 +322,8 @@ def _sample_rows(logits: torch.Tensor, wants: list[Sample], default_generator: t
                       bias_values=_upload(bias_values, torch.float32, device))
     if any(want.allowed_tokens is not None for want in wants):
         kwargs["allowed"] = _upload(_allowed_bitmask(wants, logits.shape[1]), torch.int32, device)
-    floats = _upload([[w.temperature for w in wants], [w.top_p for w in wants]], torch.float32, device)
+    temperatures = [max(w.temperature, FLOAT32_TINY) if w.temperature > 0 else 0.0 for w in wants]
+    floats = _upload([temperatures, [w.top_p for w in wants]], torch.float32, device)
     ints = _upload([[w.top_k for w in wants], seeds], torch.int64, device)
     return sample(logits, floats[0], ints[0], floats[1], ints[1], **kwargs).token_ids
 
@@ -312,8 +331,8 @@ def _sample_rows(logits: torch.Tensor, wants: list[Sample], default_generator: t
 def _top_k_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, log-probs) [rows, k], most likely first, ties to the lower id."""
     if k > KERNEL_MAX_TOP_K:
-        values, ids = torch.log_softmax(logits, dim=-1).topk(k)
-        return ids, values
+        rows = [top_k_of_row(row, k) for row in torch.log_softmax(logits, dim=-1)]
+        return torch.stack([ids for _, ids in rows]), torch.stack([values for values, _ in rows])
     from .kernels.sampling import sample
 
     rows, device = logits.shape[0], logits.device
@@ -353,7 +372,11 @@ def process_logits_batched(logits: torch.Tensor, wants: list[Want],
 
     tokens = host[:len(rows_of[Sample])]
     for row, token in zip(rows_of[Sample], tokens):
-        results[row].token = int(token)
+        if token < 0:  # the kernel's failed row: as the reference's, its error is its own
+            results[row].error = RuntimeError("sampling failed: the row's logits are not finite "
+                                              "(NaN, +inf, or every allowed token at -inf)")
+        else:
+            results[row].token = int(token)
     top = len(tokens)
     ids_at, logprobs_at = top, top + len(rows_of[TopK]) * max_k
     for i, row in enumerate(rows_of[TopK]):

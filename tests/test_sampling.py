@@ -154,3 +154,48 @@ def test_a_kept_host_distribution_holds_its_own_row_only(rows):
         held = result.logits if result.logits is not None else result.distribution
         assert held.untyped_storage().nbytes() == 4 * VOCAB
         assert result.probs.untyped_storage().nbytes() == 4 * VOCAB
+
+
+def test_rows_with_non_finite_logits_fail_alone_on_both_paths():
+    """The kernel drew from nothing: token 2^31 - 1 (past the vocabulary) or an arbitrary id,
+    where the reference raised for the row."""
+    logits = random_logits(4, seed=5)
+    logits[0, 10] = float("inf")
+    logits[1, 11] = float("nan")
+    logits[2, 3] = float("-inf")
+    wants = [Sample(temperature=1.0, top_k=5, top_p=0.9), Sample(temperature=1.0), Sample(temperature=1.0, allowed_tokens=(3,)),
+             Sample(temperature=1.0, seed=1)]
+    for results in both(logits, wants):
+        assert [r.error is not None for r in results] == [True, True, True, False]
+        assert 0 <= results[3].token < VOCAB
+
+
+def test_temperatures_below_float32s_smallest_draw_among_the_tied_on_both_paths():
+    """1e-50 is 0 in float32: the device path ran greedy and the host divided by 0 and raised."""
+    logits = random_logits(1, seed=6)
+    logits[0, 3] = logits[0, 20] = 50.0
+    for path in (process_logits_reference, process_logits_batched):
+        tokens = {path(logits.to(DEVICE), [Sample(temperature=1e-50, seed=seed)], torch.Generator())[0].token
+                  for seed in range(32)}
+        assert tokens == {3, 20}, path.__name__
+
+
+def test_top_p_keeps_every_token_tied_with_the_last_kept_on_both_paths():
+    """The kernel kept the ties at the cut and the host a prefix of its sort order: {0, 1, 2, 3}
+    against {0, 1} at top_p 0.3."""
+    logits = torch.full((1, VOCAB), -30.0)
+    logits[0, :4] = 5.0
+    for path in (process_logits_reference, process_logits_batched):
+        tokens = {path(logits.to(DEVICE), [Sample(temperature=1.0, top_p=0.3, seed=seed)], torch.Generator())[0].token
+                  for seed in range(64)}
+        assert tokens == {0, 1, 2, 3}, path.__name__
+
+
+def test_top_k_lists_put_ties_in_id_order_on_both_paths():
+    logits = random_logits(1, seed=7)
+    logits[0, 3] = logits[0, 20] = 40.0
+    logits[0, 299] = logits[0, 100] = 30.0
+    for k in (3, KERNEL_MAX_TOP_K + 8):
+        reference, batched = both(logits, [TopK(k)])
+        assert reference[0].top_ids[:4] == batched[0].top_ids[:4] == [3, 20, 100, 299][:k]
+        assert reference[0].top_ids == batched[0].top_ids
