@@ -98,8 +98,9 @@ static void open_doc(const char *name, const char *text) {
         while (keep < have && keep < n - 1 && d->text->ids[keep] == ids[keep]) keep++;
         old_marker = marker_of(name, d->text->ids, have);
     } else if (have < n) {
-        sym_kv found = sym_kv_open(marker_of(name, ids, have), 0);
-        if (found > 0) { keep = have; old_marker = marker_of(name, ids, have); sym_kv_close(found); }
+        sym_kv found = sym_kv_open(old_marker = marker_of(name, ids, have), 0);
+        if (found > 0) keep = have, sym_kv_close(found);
+        else old_marker = NULL;
     }
     if (keep < have) check(sym_kv_truncate(d->doc, keep), "kv_truncate");
     /* The last token stays out: each suggestion feeds it into its own fork. */

@@ -50,7 +50,8 @@ static int run_next_tool(int from) {
         char *close = find_outside_results(arg - t.bytes, TAGS[k].close);
         if (!close || close - arg >= (int)sizeof call) continue;
         int spans_a_result = 0;  /* a tag opened before a result and closed after it is not one */
-        for (int i = 0; i < results; i++) spans_a_result |= arg - t.bytes <= result_from[i] && result_from[i] < close - t.bytes;
+        for (int i = 0; i < results; i++)
+            spans_a_result |= arg - t.bytes <= result_from[i] && result_from[i] < close - t.bytes;
         if (spans_a_result) continue;
         best = k, best_open = open, best_close = close;
     }

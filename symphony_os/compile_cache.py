@@ -41,7 +41,7 @@ _NOCTTY = getattr(os, "O_NOCTTY", 0)
 class CompileCache:
     """Compiled bytes by key, in a directory of our own; `open` returns None when the directory
     cannot be trusted or made (then nothing is cached, and every load compiles). `close()`
-    (or a `with` block) releases the directory's descriptor."""
+    releases the directory's descriptor."""
 
     def __init__(self, directory: Path, dir_fd: int, max_bytes: int = MAX_CACHE_BYTES):
         self.directory = directory
@@ -74,12 +74,6 @@ class CompileCache:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
-
-    def __enter__(self) -> "CompileCache":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
     def __del__(self) -> None:
         if getattr(self, "_fd", None) is not None:
@@ -151,14 +145,12 @@ class CompileCache:
     def prune(self) -> None:
         """Remove the least recently used compiled files until the rest fit in `max_bytes`, and
         temporary files older than an hour (a writer killed midway leaves one)."""
-        entries, stale_before = [], None
+        entries, stale_before = [], time.time() - 3600
         for name, info in self._entries():
             if name.endswith(COMPILED):
                 entries.append((info.st_mtime, info.st_size, name[:-len(COMPILED)]))
-            elif name.endswith(PARTIAL):
-                stale_before = stale_before or time.time() - 3600
-                if info.st_mtime < stale_before:
-                    self._unlink(name)
+            elif name.endswith(PARTIAL) and info.st_mtime < stale_before:
+                self._unlink(name)
         total = sum(size for _, size, _ in entries)
         for _, size, key in sorted(entries):
             if total <= self.max_bytes:

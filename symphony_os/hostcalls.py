@@ -495,11 +495,10 @@ class HostCalls:
                     clocks.append((origin + timeout / 1e9, userdata))
                 else:
                     clocks.append((now + timeout / 1e9, userdata))
-            elif tag in (WASI_EVENT_FD_READ, WASI_EVENT_FD_WRITE):
-                fd = which & 0xFFFFFFFF
-                if tag == WASI_EVENT_FD_WRITE and fd in (1, 2):
+            elif tag in (WASI_EVENT_FD_READ, WASI_EVENT_FD_WRITE):  # `which` is the descriptor
+                if tag == WASI_EVENT_FD_WRITE and which in (1, 2):
                     at_once.append((userdata, 0, tag, MAX_TEXT_BYTES, 0))
-                elif tag == WASI_EVENT_FD_READ and fd == 0:
+                elif tag == WASI_EVENT_FD_READ and which == 0:
                     at_once.append((userdata, 0, tag, 0, WASI_EVENT_FD_READWRITE_HANGUP))
                 else:
                     at_once.append((userdata, WASI_EBADF, tag, 0, 0))

@@ -23,8 +23,8 @@ from .gc_tuning import tune_gc, untune_gc
 from .hostcalls import WASI_CALLS, Block, HostCalls, wasi_failure
 from .limits import Watchdog
 from .process import Process, ProcessLimits
-from .timers import Timers
 from .program import Program, load_program, load_program_file
+from .timers import Timers
 from .tools import ToolRegistry, default_tools
 
 BLOCKING_CALLS = ("pred_wait", "pred", "recv", "poll_oneoff")  # may return a Block: a fiber waits

@@ -83,13 +83,10 @@ def _quota_problem(key: str, value) -> str | None:
     compares false with everything, so `cpu_time_s = nan` let a process spin for ever."""
     if value is None:
         return None
+    number = not isinstance(value, bool) and isinstance(value, (int, float)) and 0 <= value <= MAX_QUOTA
     if key.endswith("_s"):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_QUOTA:
-            return f"a number of seconds from 0 to {MAX_QUOTA}"
-    elif (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_QUOTA
-          or value != int(value)):  # 64e6 is a whole number too
-        return f"a whole number from 0 to {MAX_QUOTA}"
-    return None
+        return None if number else f"a number of seconds from 0 to {MAX_QUOTA}"
+    return None if number and value == int(value) else f"a whole number from 0 to {MAX_QUOTA}"  # 64e6 is one
 
 
 @dataclass(frozen=True)

@@ -158,7 +158,7 @@ def test_code_assist_reuses_only_the_kv_a_changed_document_still_shares(runtime,
     old, new = "Once upon a time", "Lily went to the big park with her dog and"
     fresh, _ = run(runtime, "code_assist", ["0"], messages=[f"open x {new}", "complete x 10", "delete x"])
     expected = fresh.splitlines()[1].replace("suggestion x:", "suggestion a:")
-    n_old, n_new = len(engine.tokenize(old)), len(engine.tokenize(new))
+    n_new = len(engine.tokenize(new))
     out, _ = run(runtime, "code_assist", ["0"], messages=[f"open a {old}", f"open a {new}", "complete a 10"])
     assert out.splitlines()[1] == f"opened a: {n_new - 2} tokens prefilled"  # all but BOS and the last
     assert out.splitlines()[2] == expected
