@@ -19,22 +19,27 @@ ctypes layer (`wasmtime._ffi`). The C API's rules, and what breaking them did:
   returns without a continuation panics the process). Every callback here catches everything
   and turns it into a guest trap. wasmtime-py's own callbacks park exceptions in one global
   slot shared by all threads, so none of them is used here.
-- A waiting call's continuation, which wasmtime calls on every poll, is C code (strlen over a
-  flag byte that `Fiber.poll` raises once the Pending is done and the results are written), not
-  a callback into Python: the one callback per blocking call is the call itself.
+- A blocking call crosses into Python not at all while the guest runs: wasmtime calls C
+  (fiber_native.c, built on first use by native_build.py), which records the call in the
+  fiber's slot and suspends the guest; `Fiber.poll` then runs the handler on the polling
+  thread's own stack and, once the answer is written, raises the byte the call's continuation
+  reads (also C). A handler running inside the guest's call, through a ctypes callback on the
+  guest's fiber stack, cost three times as much at 1024 guests (see fiber_native.c).
 """
 from __future__ import annotations
 
 import ctypes
-import functools
 import itertools
 import struct
 import sys
 import threading
+from pathlib import Path
 from typing import Callable, Sequence, Union
 
 import wasmtime
 from wasmtime import _ffi as ffi
+
+from .native_build import load_library
 
 Value = Union[int, float]
 
@@ -75,6 +80,22 @@ _memory_data_size = raw_prototype("wasmtime_memory_data_size", _size, _vp, ctype
 
 _MEMORY_EXPORT = b"memory"
 
+# The C half (fiber_native.c): the callback of every blocking host function, and the poll.
+_native = load_library(Path(__file__).with_name("fiber_native.c"))
+_native.sym_fiber_init.restype, _native.sym_fiber_init.argtypes = None, [_vp, _vp, _vp]
+_native.sym_fiber_init(ctypes.cast(_future_poll, _vp), ctypes.cast(_set_epoch_deadline, _vp),
+                       ctypes.cast(ffi.dll["wasmtime_trap_new"], _vp))
+_fiber_poll = _native.sym_fiber_poll
+_fiber_poll.restype, _fiber_poll.argtypes = ctypes.c_int, [_vp, ctypes.c_uint64]
+_POLL_FINISHED, _POLL_CALLED = 1, 2  # sym_fiber_poll's answers (0: waiting or yielded)
+_BLOCKING_CALL = ctypes.cast(_native.sym_fiber_blocking_call, _vp).value
+_SLOT_BYTES = _native.sym_fiber_slot_size()
+# sym_fiber_slot, as 64-bit words: future, context, called, function, caller, results, trap_ret,
+# nargs, answered (its byte 0), then the arguments (wasmtime_val_t) from this byte offset.
+_FUTURE, _CONTEXT, _CALLED, _FUNCTION, _CALLER, _RESULTS, _TRAP_RET, _NARGS, _ANSWERED = range(9)
+_ARGS_OFFSET = 72
+MAX_BLOCKING_ARGS = 16  # SYM_FIBER_MAX_ARGS
+
 
 def _address(pointer) -> int:
     return ctypes.cast(pointer, _vp).value or 0
@@ -113,13 +134,6 @@ def set_time_slice(store: wasmtime.Store, epoch_ticks: int) -> None:
     for `epoch_ticks` increments of the engine's epoch, instead of trapping."""
     store.set_epoch_deadline(epoch_ticks)
     _epoch_deadline_async_yield_and_update(context_address(store), epoch_ticks)
-
-
-def time_slice_renewer(store: wasmtime.Store, epoch_ticks: int) -> Callable[[], None]:
-    """A function that gives `store`'s guests a fresh slice of `epoch_ticks` from now. Call it
-    before resuming a guest that was blocked: its old deadline passed while it waited, and it
-    would otherwise yield at its first loop back-edge (a whole extra poll per resume)."""
-    return functools.partial(_set_epoch_deadline, context_address(store), epoch_ticks)
 
 
 class PeriodicThread:
@@ -201,7 +215,9 @@ class HostCall:
     says which guest this is) and the caller's exported memory. It is valid until the call
     completes; touch guest memory only from the thread that polls the fiber. `fiber` is
     cleared once a handler has returned a Pending: a waiting call must not keep a fiber that
-    its host has dropped alive (that fiber's deletion is what ends the wait)."""
+    its host has dropped alive (that fiber's deletion is what ends the wait). A blocking call's
+    handler runs after wasmtime's callback returned, while the guest is suspended in the call:
+    wasmtime keeps the caller in the suspended call's state until the call completes."""
 
     __slots__ = ("fiber", "_caller", "_context", "_memory")
 
@@ -306,12 +322,10 @@ class _Waiting:
         self.pending.abandoned = not self.pending.done
 
 
-# Callback data crosses C as integer keys into these maps (never Python object pointers);
-# each entry leaves in the finalizer wasmtime calls when it drops the function or continuation.
-# (`_WAITING` serves only calls made outside a Fiber's poll; a Fiber holds its one wait itself.)
-# Single dict operations are atomic under the GIL, so threads may share them without a lock.
+# Callback data crosses C as integer keys into this map (never Python object pointers); each
+# entry leaves in the finalizer wasmtime calls when it drops the function. Single dict
+# operations are atomic under the GIL, so threads may share it without a lock.
 _FUNCTIONS: dict[int, _HostFunction] = {}
-_WAITING: dict[int, _Waiting] = {}
 _next_key = itertools.count(1)
 _STORES_IN_CALL: set[int] = set()
 
@@ -369,10 +383,7 @@ def _failure_message(function: _HostFunction | None, error: BaseException) -> st
 
 # Our callback prototypes: wasmtime's, with every pointer as a plain integer (see raw_prototype).
 _SYNC_CALLBACK = ctypes.CFUNCTYPE(_size, _vp, _vp, _vp, _size, _vp, _size)
-_ASYNC_CALLBACK = ctypes.CFUNCTYPE(None, _vp, _vp, _vp, _size, _vp, _size, _vp, _vp)
-_CONTINUATION_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_bool, _vp)
 _FINALIZER = ctypes.CFUNCTYPE(None, _vp)
-_CONTINUATION = struct.Struct("<QQQ")  # wasmtime_async_continuation_t: callback, env, finalizer
 
 
 @_SYNC_CALLBACK
@@ -391,102 +402,24 @@ def _call_sync(key, caller, args, nargs, results, nresults):
             call._caller = None
 
 
-# The continuation of a call waiting inside a fiber we poll is C's own strlen over a 2-byte flag
-# of the fiber's: wasmtime calls a continuation on every poll of the waiting guest, and strlen
-# answers 0 (waiting) or 1 (done: results written) without entering Python. `Fiber.poll` raises
-# the flag (`_deliver`) once the Pending is done, on the polling thread. Two callbacks into
-# Python fewer per wait (one that answers "not yet" right after the handler returns, one that
-# answers "done"); the second byte stays 0, so strlen returns exactly 0 or 1, a C bool's values.
-_C_LIBRARY = ctypes.cdll.msvcrt if sys.platform == "win32" else ctypes.CDLL(None)  # the process's own libc
-_FLAG_CONTINUATION = _address(_C_LIBRARY.strlen)
-# The continuation of a call answered at once (results or trap already written): a flag that
-# is always raised.
-_ALWAYS_DONE = ctypes.create_string_buffer(b"\x01", 2)
-_READY = (_FLAG_CONTINUATION, ctypes.addressof(_ALWAYS_DONE), 0)
-
-
-def _set_continuation(address: int, fields: tuple[int, int, int]) -> None:
-    _CONTINUATION.pack_into(_NATIVE, address, *fields)
-
-
 def _set_trap(trap_slot: int, trap: int) -> None:
     _ADDRESS.pack_into(_NATIVE, trap_slot, trap)
 
 
-@_ASYNC_CALLBACK
-def _call_async(key, caller, args, nargs, results, nresults, trap_slot, continuation):
-    """Runs a `define_async` handler and hands wasmtime a continuation: done now (results or
-    trap already written) or a wait on a Pending. Never raises."""
-    # First, so that no failure below can leave wasmtime without a continuation (it panics).
-    _set_continuation(continuation, _READY)
-    function, call = _FUNCTIONS.get(key), None
-    try:
-        call = HostCall(caller, _polling.fiber)
-        outcome = function.handler(call, function.params.read(args))
-        if isinstance(outcome, Pending):
-            fiber = call.fiber
-            if fiber is not None:  # the fiber holds its one wait and forgets it when it ends
-                fiber._flag[0] = 0
-                fiber._wait = _Waiting(outcome, call, function, results, trap_slot)
-                _set_continuation(continuation, (_FLAG_CONTINUATION, fiber._flag_address, 0))
-                if outcome.done:  # answered already: the guest runs on in this poll
-                    _deliver(fiber)
-            else:
-                waiting_key = next(_next_key)
-                _WAITING[waiting_key] = _Waiting(outcome, call, function, results, trap_slot)
-                _set_continuation(continuation, (_WAITING_CALLBACK, waiting_key, _WAITING_FINALIZER))
-            call.fiber = None
-            call = None  # stays valid while the guest waits
-        elif isinstance(outcome, Ready):
-            function.results.write(results, outcome.values, function.qualified_name)
-        else:
-            raise TypeError(f"handler returned {type(outcome).__name__}, not Ready or Pending")
-    except BaseException as error:
-        _set_trap(trap_slot, _trap_for(function, error))
-    finally:
-        if call is not None:
-            call._caller = None
-
-
-@_CONTINUATION_CALLBACK
-def _continue_waiting(waiting_key) -> bool:
-    """Polled by wasmtime each time the waiting guest's fiber is polled: True once its
-    Pending is done, after writing the results (or the trap) where wasmtime expects them."""
-    waiting = _WAITING[waiting_key]
-    if not waiting.pending.done:
-        return False
-    waiting.answer()
-    _forget_waiting(waiting_key)
-    return True
-
-
 def _deliver(fiber: "Fiber") -> None:
     """Write the done Pending's results (or trap) where wasmtime expects them, then raise the
-    flag its continuation reads. Runs on the polling thread, inside `Fiber.poll` (so no other
+    byte its continuation reads. Runs on the polling thread, inside `Fiber.poll` (so no other
     thread can close the fiber, freeing those slots, meanwhile). Never raises."""
     waiting, fiber._wait = fiber._wait, None
     waiting.answer()
     waiting.forget()
-    fiber._flag[0] = 1  # wasmtime reads the results once it sees the flag
-
-
-def _forget_waiting(waiting_key: int) -> None:
-    """The wait is over: it finished, or its fiber was closed (wasmtime dropped the continuation)."""
-    waiting = _WAITING.pop(waiting_key, None)
-    if waiting is not None:
-        waiting.forget()
-
-
-_forget_waiting_callback = _FINALIZER(_forget_waiting)
+    fiber._fields[_ANSWERED] = 1  # wasmtime reads the results once it sees it
 
 
 @_FINALIZER
 def _forget_function(key) -> None:
     """wasmtime dropped the last linker or store that held this host function."""
     _FUNCTIONS.pop(key, None)
-
-
-_WAITING_CALLBACK, _WAITING_FINALIZER = _address(_continue_waiting), _address(_forget_waiting_callback)
 
 
 class AsyncLinker:
@@ -505,7 +438,9 @@ class AsyncLinker:
                      results: Sequence[wasmtime.ValType], handler: Handler) -> None:
         """Provide `module.name`, which may block: `handler(call, args)` returns `Ready(values)`
         or a `Pending` that the guest waits on. If it raises, the guest traps."""
-        self._define(_define_async_func, _call_async, module, name, params, results, handler)
+        if len(params) > MAX_BLOCKING_ARGS:
+            raise TypeError(f"a blocking host function takes at most {MAX_BLOCKING_ARGS} parameters")
+        self._define(_define_async_func, _BLOCKING_CALL, module, name, params, results, handler)
 
     def define_func(self, module: str, name: str, params: Sequence[wasmtime.ValType],
                     results: Sequence[wasmtime.ValType],
@@ -513,15 +448,15 @@ class AsyncLinker:
         """Provide `module.name`, which never blocks: `handler(call, args)` returns the result
         values. Cheaper than `define_async` (one callback into Python instead of two). If it
         raises, the guest traps."""
-        self._define(_define_func, _call_sync, module, name, params, results, handler)
+        self._define(_define_func, _address(_call_sync), module, name, params, results, handler)
 
-    def _define(self, define, trampoline, module: str, name: str, params, results, handler) -> None:
+    def _define(self, define, callback: int, module: str, name: str, params, results, handler) -> None:
         key = next(_next_key)
         _FUNCTIONS[key] = _HostFunction(f"{module}.{name}", _kinds(params), _kinds(results), handler)
         module_bytes, name_bytes = module.encode(), name.encode()
         func_type = wasmtime.FuncType(list(params), list(results))  # a name keeps it alive for the call
         error = define(self.linker.ptr(), module_bytes, len(module_bytes), name_bytes, len(name_bytes),
-                       func_type.ptr(), _address(trampoline), key, _address(_forget_function))
+                       func_type.ptr(), callback, key, _address(_forget_function))
         if error:
             _FUNCTIONS.pop(key, None)
             raise wasmtime.WasmtimeError._from_ptr(ctypes.cast(error, ctypes.POINTER(ffi.wasmtime_error_t)))
@@ -560,7 +495,7 @@ class Fiber:
 
     # Slots: a scheduler touches every fiber's fields on every round; no per-fiber dict to fetch.
     __slots__ = ("owner", "result", "trap", "trap_code", "exit_code", "error", "_deferred", "_wait",
-                 "_flag", "_flag_address", "_store", "_collect", "_keep", "_trap_slot", "_error_slot", "_future")
+                 "_slot", "_slot_address", "_fields", "_store", "_collect", "_keep", "_trap_slot", "_error_slot", "_future")
 
     def __init__(self, store: wasmtime.Store, func: wasmtime.Func, args: Sequence[Value] = (),
                  owner: object = None):
@@ -607,22 +542,26 @@ class Fiber:
         self.error: BaseException | None = None
         self._deferred: BaseException | None = None
         self._wait: _Waiting | None = None  # the host call it waits in, while it waits
-        flag = ctypes.create_string_buffer(2)  # see _FLAG_CONTINUATION
-        self._flag, self._flag_address = memoryview(flag).cast("B"), ctypes.addressof(flag)
+        self._slot = ctypes.create_string_buffer(_SLOT_BYTES)  # fiber_native.c's sym_fiber_slot
+        self._slot_address, self._fields = ctypes.addressof(self._slot), memoryview(self._slot).cast("B").cast("Q")
+        self._fields[_CONTEXT] = _address(store._context())
         self._store = store
         self._collect = collect
         self._keep = keep  # what the future points into; see the module docstring
         self._trap_slot = ctypes.POINTER(ffi.wasm_trap_t)()
         self._error_slot = ctypes.POINTER(ffi.wasmtime_error_t)()
         self._future = _address(start(ctypes.byref(self._trap_slot), ctypes.byref(self._error_slot)))
+        self._fields[_FUTURE] = self._future
         _STORES_IN_CALL.add(id(store))
 
     @property
     def done(self) -> bool:
         return self._future is None
 
-    def poll(self) -> bool:
-        """Run the guest until it finishes (True), or waits or yields (False)."""
+    def poll(self, time_slice_ticks: int = 0) -> bool:
+        """Run the guest until it finishes (True), or waits or yields (False). With
+        `time_slice_ticks`, it first gets a fresh time slice (see `set_time_slice`): one that
+        waited in a blocking call is past its old deadline."""
         if self._future is None:
             return True
         outer, _polling.fiber = _polling.fiber, self
@@ -630,15 +569,50 @@ class Fiber:
             waiting = self._wait
             if waiting is not None and waiting.pending.done:
                 _deliver(self)  # the guest resumes in this poll
-            finished = _future_poll(self._future)
+            while True:
+                state = _fiber_poll(self._slot_address, time_slice_ticks)
+                if state != _POLL_CALLED or not self._take_call():
+                    break
+                time_slice_ticks = 0  # answered at once: the guest runs on in its slice
         finally:
             _polling.fiber = outer
+        finished = state == _POLL_FINISHED
         if finished:
             self._finish()
         if self._deferred is not None:
             deferred, self._deferred = self._deferred, None
             raise deferred
         return finished
+
+    def _take_call(self) -> bool:
+        """Run the handler of the blocking call the guest just made (recorded in the slot by
+        fiber_native.c), here on the polling thread's stack. True if it was answered at once
+        (results or trap written): the next poll runs the guest on. Never raises."""
+        fields = self._fields
+        fields[_CALLED] = 0
+        function, call = _FUNCTIONS.get(fields[_FUNCTION]), None
+        results, trap_slot = fields[_RESULTS], fields[_TRAP_RET]
+        try:
+            call = HostCall(fields[_CALLER], self)
+            outcome = function.handler(call, function.params.read(self._slot_address + _ARGS_OFFSET))
+            if isinstance(outcome, Pending):
+                self._wait = _Waiting(outcome, call, function, results, trap_slot)
+                call.fiber = None
+                call = None  # stays valid while the guest waits
+                if not outcome.done:
+                    return False
+                _deliver(self)
+                return True
+            if not isinstance(outcome, Ready):
+                raise TypeError(f"handler returned {type(outcome).__name__}, not Ready or Pending")
+            function.results.write(results, outcome.values, function.qualified_name)
+        except BaseException as error:
+            _set_trap(trap_slot, _trap_for(function, error))
+        finally:
+            if call is not None:
+                call._caller = None
+        fields[_ANSWERED] = 1
+        return True
 
     def _finish(self) -> None:
         if self._trap_slot:

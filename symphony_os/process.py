@@ -13,7 +13,7 @@ from typing import Callable
 import wasmtime
 
 from .errors import ErrorCode, InputClosed, LimitExceeded, SymphonyError
-from .fiber import AsyncLinker, Fiber, HostCall, Pending, set_time_slice, time_slice_renewer
+from .fiber import AsyncLinker, Fiber, HostCall, Pending, set_time_slice
 from .guest_memory import GuestMemory, memory_locator
 from .hostcalls import Block, HostCalls
 from .limits import ProcessLimits, Usage, store_limits, trap_reason
@@ -55,7 +55,7 @@ class Process:
     __slots__ = ("pid", "program", "args", "engine", "kv", "tools", "timers", "limits", "state", "exit_code",
                  "end_reason", "log", "_on_output", "_on_log", "_on_exit", "_inbox", "_inbox_bytes", "_inbox_lock",
                  "_input_closed", "_kill_reason", "ended", "cpu_time_s", "usage", "hostcalls", "store",
-                 "_renew_time_slice", "_fiber", "_fresh", "_instantiating", "_memory", "memory", "_blocked", "wake",
+                 "_time_slice_ticks", "_fiber", "_fresh", "_instantiating", "_memory", "memory", "_blocked", "wake",
                  "_woken_by_pred", "monotonic_origin", "__weakref__")
     POLLS_TO_RESUME = 1  # polls that run the guest on after its blocking call is answered
 
@@ -96,7 +96,7 @@ class Process:
         self.monotonic_origin = time.monotonic()
         store_limits(self.store, limits)
         set_time_slice(self.store, limits.time_slice_ticks)
-        self._renew_time_slice = time_slice_renewer(self.store, limits.time_slice_ticks)
+        self._time_slice_ticks = limits.time_slice_ticks  # a fresh slice when a guest resumes
         self._fiber: Fiber | None = linker.start_instantiate(self.store, program.module, owner=self)
         self._instantiating = True
         self._fresh = True  # a fiber not polled yet: its time slice starts at its first poll
@@ -231,7 +231,7 @@ class Process:
         if self._kill_reason is not None:
             self._end(ProcessState.KILLED, EXIT_KILLED, self._kill_reason)
             return "ended"
-        resumed = False
+        resumed, ticks = False, 0
         if self._blocked is not None:
             block, pending, call = self._blocked
             if not (block.future.done() if block.future is not None else self.input_ready()):
@@ -239,13 +239,12 @@ class Process:
             self._blocked = None
             pending.complete((self.finish_block(block, call),))
             self.state = _RUNNABLE
-            self._renew_time_slice()
-            resumed = True
+            resumed, ticks = True, self._time_slice_ticks  # its old deadline passed while it waited
         fiber = self._fiber
         if self._fresh:  # the slice set at spawn (or by the instantiation) ran out in the rounds since
             self._fresh = False
-            self._renew_time_slice()
-        finished = fiber.poll()  # True at once for a fiber that is done
+            ticks = self._time_slice_ticks
+        finished = fiber.poll(ticks)  # True at once for a fiber that is done
         if not finished and resumed and self._blocked is None and self.POLLS_TO_RESUME == 2:
             # A component's first poll after a blocking call only finishes that call (measured);
             # the second runs the guest on. A core module's first poll runs on at once (a

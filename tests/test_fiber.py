@@ -445,3 +445,36 @@ def test_keyboard_interrupt_in_handler_reaches_host():
     with pytest.raises(KeyboardInterrupt):
         fiber.poll()
     assert fiber.done and "KeyboardInterrupt" in fiber.trap
+
+
+def test_a_fresh_time_slice_at_poll_lets_a_resumed_guest_reach_its_next_call():
+    queue = WaitQueue()
+    engine, linker, module = make_guest_env(queue)
+    store, exports = new_guest(engine, linker, module, slice_ticks=1)
+    fibers = [Fiber(store, exports["sum_waits"], [3])]
+    assert fibers[0].poll() is False and len(queue.waiting) == 1
+    for _ in range(3):
+        engine.increment_epoch()  # its deadline passes while it waits
+    queue.answer_all()
+    assert fibers[0].poll() is False and queue.waiting == []  # resumed past its deadline: it yields at once
+    assert fibers[0].poll(time_slice_ticks=5) is False and len(queue.waiting) == 1  # a fresh slice: the next call
+
+
+def test_a_blocking_function_takes_at_most_sixteen_parameters():
+    linker = AsyncLinker(make_async_engine())
+    with pytest.raises(TypeError, match="at most 16"):
+        linker.define_async("symphony", "wide", [I32] * 17, [I32], WaitQueue())
+
+
+def test_a_blocking_call_outside_fiber_poll_traps_the_guest():
+    """Only `Fiber.poll` tells the C callback where to record a call: a future polled any other
+    way gets a trap, never a write through a null slot."""
+    from symphony_os import fiber as fiber_module
+
+    queue = WaitQueue()
+    engine, linker, module = make_guest_env(queue, epoch_interruption=False)
+    store, exports = new_guest(engine, linker, module)
+    fiber = Fiber(store, exports["sum_waits"], [2])
+    assert fiber_module._future_poll(fiber._future) is True  # the guest trapped in its first call
+    fiber._finish()
+    assert queue.waiting == [] and "outside Fiber.poll" in fiber.trap

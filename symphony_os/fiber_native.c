@@ -1,0 +1,104 @@
+/* The C half of fiber.py: what wasmtime calls when a guest makes a blocking host call, and the
+ * poll that runs a guest on. Python reaches it through ctypes (fiber.py loads it, built by
+ * native_build.py with zig's clang); it calls nothing of Python's, so a guest's blocking call
+ * costs no callback into the interpreter and runs nothing on the guest's cold fiber stack.
+ *
+ * The callback only records the call (which function, its arguments, where its results and
+ * trap go) in the polled fiber's slot and hands wasmtime a continuation that reads the slot's
+ * `answered` byte. `sym_fiber_poll` returns 2 when the guest made such a call; fiber.py then
+ * runs the call's handler on its own stack, writes the results, raises `answered`, and the
+ * next poll resumes the guest. (Measured, 1024 guests each making one blocking call a round:
+ * 2.0 us per guest-round, against 6.4-8.0 with the call answered through a ctypes callback.)
+ *
+ * Built with -nostdlib: it needs no C library, so zig compiles it in a tenth of a second
+ * without building one first. wasmtime's functions arrive as pointers (`sym_fiber_init`). */
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define SYM_FIBER_MAX_ARGS 16
+
+typedef struct { /* wasmtime_val_t: a kind byte, then the value at offset 8 */
+    uint8_t kind;
+    uint8_t padding[7];
+    uint8_t of[24];
+} sym_val;
+
+typedef struct { /* wasmtime_async_continuation_t */
+    bool (*callback)(void *env);
+    void *env;
+    void (*finalizer)(void *env);
+} sym_continuation;
+
+/* One per fiber, owned by fiber.py's Fiber; the offsets are mirrored there (_SLOT). */
+typedef struct {
+    void *future;          /* the call's wasmtime_call_future_t */
+    void *context;         /* its store's context, for a fresh time slice */
+    uint64_t called;       /* 1 once the guest made a blocking call not yet taken by Python */
+    uint64_t function;     /* the called host function's key (its env) */
+    void *caller;          /* the wasmtime_caller_t, alive while the guest waits in the call */
+    void *results;         /* where the call's results go (wasmtime_val_t[]) */
+    void *trap_ret;        /* where a trap goes (wasm_trap_t **) */
+    uint64_t nargs;
+    uint8_t answered[8];   /* byte 0: the continuation's answer, raised once results are written */
+    sym_val args[SYM_FIBER_MAX_ARGS];
+} sym_fiber_slot;
+
+typedef bool (*future_poll_fn)(void *future);
+typedef void (*set_deadline_fn)(void *context, uint64_t ticks);
+typedef void *(*trap_new_fn)(const char *message, size_t length);
+
+static future_poll_fn future_poll;
+static set_deadline_fn set_epoch_deadline;
+static trap_new_fn trap_new;
+static _Thread_local sym_fiber_slot *polled; /* the slot of the fiber this thread polls */
+static uint8_t always_answered[8] = {1};
+
+static const char NOT_POLLED[] = "a blocking host function was called outside Fiber.poll";
+
+void sym_fiber_init(void *poll, void *set_deadline, void *new_trap) {
+    future_poll = (future_poll_fn)poll;
+    set_epoch_deadline = (set_deadline_fn)set_deadline;
+    trap_new = (trap_new_fn)new_trap;
+}
+
+unsigned sym_fiber_slot_size(void) { return sizeof(sym_fiber_slot); }
+
+static bool read_answered(void *env) { return *(volatile uint8_t *)env != 0; }
+
+/* wasmtime_func_async_callback_t of every blocking host function (env: the function's key). */
+void sym_fiber_blocking_call(void *env, void *caller, const sym_val *args, size_t nargs, sym_val *results,
+                             size_t nresults, void **trap_ret, sym_continuation *continuation) {
+    (void)nresults;
+    sym_fiber_slot *slot = polled;
+    continuation->callback = read_answered;
+    continuation->finalizer = 0;
+    if (slot == 0 || nargs > SYM_FIBER_MAX_ARGS) { /* fiber.py defines no function with more */
+        *trap_ret = trap_new(NOT_POLLED, sizeof(NOT_POLLED) - 1);
+        continuation->env = always_answered;
+        return;
+    }
+    for (size_t i = 0; i < nargs; i++)
+        slot->args[i] = args[i];
+    slot->nargs = nargs;
+    slot->function = (uint64_t)(uintptr_t)env;
+    slot->caller = caller;
+    slot->results = results;
+    slot->trap_ret = trap_ret;
+    slot->answered[0] = 0;
+    slot->called = 1;
+    continuation->env = slot->answered;
+}
+
+/* Run the fiber's guest on: 1 once its call finished, 2 if it made a blocking call (recorded
+ * in the slot), 0 if it waits or yielded. A nonzero `time_slice_ticks` gives it a fresh slice
+ * first. Nested polls (from a sync host call's handler) restore the outer slot. */
+int sym_fiber_poll(sym_fiber_slot *slot, uint64_t time_slice_ticks) {
+    if (time_slice_ticks)
+        set_epoch_deadline(slot->context, time_slice_ticks);
+    sym_fiber_slot *outer = polled;
+    polled = slot;
+    bool finished = future_poll(slot->future);
+    polled = outer;
+    return finished ? 1 : (slot->called ? 2 : 0);
+}
