@@ -289,39 +289,6 @@ class _HostFunction:
         self.handler = handler
 
 
-class _Waiting:
-    """A suspended host call: where its results or trap go once its Pending is done. The
-    result and trap slots (addresses) belong to wasmtime and stay valid until the
-    continuation finishes."""
-
-    __slots__ = ("pending", "call", "function", "results", "trap_slot")
-
-    def __init__(self, pending: Pending, call: HostCall, function: _HostFunction, results: int, trap_slot: int):
-        self.pending = pending
-        self.call = call
-        self.function = function
-        self.results = results
-        self.trap_slot = trap_slot
-
-    def answer(self) -> None:
-        """Write the done Pending's results (or its trap) where wasmtime expects them. Never
-        raises: a failure to write becomes the guest's trap, as in the callbacks."""
-        pending, function = self.pending, self.function
-        try:
-            if pending.failure is not None:
-                _set_trap(self.trap_slot, _new_trap(pending.failure))
-            else:
-                function.results.write(self.results, pending.values, function.qualified_name)
-        except BaseException as error:
-            _set_trap(self.trap_slot, _trap_for(function, error))
-
-    def forget(self) -> None:
-        """The wait is over (answered, or its fiber closed): the call is no longer valid, and
-        an answer that never came marks the Pending abandoned."""
-        self.call._caller = None
-        self.pending.abandoned = not self.pending.done
-
-
 # Callback data crosses C as integer keys into this map (never Python object pointers); each
 # entry leaves in the finalizer wasmtime calls when it drops the function. Single dict
 # operations are atomic under the GIL, so threads may share it without a lock.
@@ -407,13 +374,24 @@ def _set_trap(trap_slot: int, trap: int) -> None:
 
 
 def _deliver(fiber: "Fiber") -> None:
-    """Write the done Pending's results (or trap) where wasmtime expects them, then raise the
-    byte its continuation reads. Runs on the polling thread, inside `Fiber.poll` (so no other
-    thread can close the fiber, freeing those slots, meanwhile). Never raises."""
-    waiting, fiber._wait = fiber._wait, None
-    waiting.answer()
-    waiting.forget()
-    fiber._fields[_ANSWERED] = 1  # wasmtime reads the results once it sees it
+    """Write the done Pending's results (or its trap) where wasmtime expects them (the result
+    and trap slots recorded with the call stay valid until it completes), then raise the byte
+    the call's continuation reads. Runs on the polling thread, inside `Fiber.poll` (so no other
+    thread can close the fiber, freeing those slots, meanwhile). Never raises: a failure to
+    write becomes the guest's trap."""
+    pending, fiber._wait = fiber._wait, None
+    fiber._wait_call._caller = None  # the call is over
+    fiber._wait_call = None
+    fields = fiber._fields
+    function = _FUNCTIONS.get(fields[_FUNCTION])
+    try:
+        if pending.failure is not None:
+            _set_trap(fields[_TRAP_RET], _new_trap(pending.failure))
+        else:
+            function.results.write(fields[_RESULTS], pending.values, function.qualified_name)
+    except BaseException as error:
+        _set_trap(fields[_TRAP_RET], _trap_for(function, error))
+    fields[_ANSWERED] = 1  # wasmtime reads the results once it sees it
 
 
 @_FINALIZER
@@ -494,7 +472,7 @@ class Fiber:
     """
 
     # Slots: a scheduler touches every fiber's fields on every round; no per-fiber dict to fetch.
-    __slots__ = ("owner", "result", "trap", "trap_code", "exit_code", "error", "_deferred", "_wait",
+    __slots__ = ("owner", "result", "trap", "trap_code", "exit_code", "error", "_deferred", "_wait", "_wait_call",
                  "_slot", "_slot_address", "_fields", "_store", "_collect", "_keep", "_trap_slot", "_error_slot", "_future")
 
     def __init__(self, store: wasmtime.Store, func: wasmtime.Func, args: Sequence[Value] = (),
@@ -541,7 +519,8 @@ class Fiber:
         self.exit_code: int | None = None
         self.error: BaseException | None = None
         self._deferred: BaseException | None = None
-        self._wait: _Waiting | None = None  # the host call it waits in, while it waits
+        self._wait: Pending | None = None  # the answer of the host call it waits in, while it waits
+        self._wait_call: HostCall | None = None  # and that call
         self._slot = ctypes.create_string_buffer(_SLOT_BYTES)  # fiber_native.c's sym_fiber_slot
         self._slot_address, self._fields = ctypes.addressof(self._slot), memoryview(self._slot).cast("B").cast("Q")
         self._fields[_CONTEXT] = _address(store._context())
@@ -567,7 +546,7 @@ class Fiber:
         outer, _polling.fiber = _polling.fiber, self
         try:
             waiting = self._wait
-            if waiting is not None and waiting.pending.done:
+            if waiting is not None and waiting.done:
                 _deliver(self)  # the guest resumes in this poll
             while True:
                 state = _fiber_poll(self._slot_address, time_slice_ticks)
@@ -591,26 +570,23 @@ class Fiber:
         fields = self._fields
         fields[_CALLED] = 0
         function, call = _FUNCTIONS.get(fields[_FUNCTION]), None
-        results, trap_slot = fields[_RESULTS], fields[_TRAP_RET]
         try:
             call = HostCall(fields[_CALLER], self)
             outcome = function.handler(call, function.params.read(self._slot_address + _ARGS_OFFSET))
-            if isinstance(outcome, Pending):
-                self._wait = _Waiting(outcome, call, function, results, trap_slot)
+            if isinstance(outcome, Pending):  # the call stays valid while the guest waits
+                self._wait, self._wait_call = outcome, call
                 call.fiber = None
-                call = None  # stays valid while the guest waits
-                if not outcome.done:
-                    return False
-                _deliver(self)
-                return True
+                if outcome.done:  # answered already: the guest runs on
+                    _deliver(self)
+                    return True
+                return False
             if not isinstance(outcome, Ready):
                 raise TypeError(f"handler returned {type(outcome).__name__}, not Ready or Pending")
-            function.results.write(results, outcome.values, function.qualified_name)
+            function.results.write(fields[_RESULTS], outcome.values, function.qualified_name)
         except BaseException as error:
-            _set_trap(trap_slot, _trap_for(function, error))
-        finally:
-            if call is not None:
-                call._caller = None
+            _set_trap(fields[_TRAP_RET], _trap_for(function, error))
+        if call is not None:
+            call._caller = None
         fields[_ANSWERED] = 1
         return True
 
@@ -649,7 +625,9 @@ class Fiber:
         self._keep = self._collect = None
         waiting, self._wait = self._wait, None  # a wait this fiber was left in, if any
         if waiting is not None:
-            waiting.forget()
+            self._wait_call._caller = None
+            self._wait_call = None
+            waiting.abandoned = not waiting.done  # no answer came: the work can be skipped
         if self.result is None and self.trap is None:
             self.trap = "closed before it finished"
 
