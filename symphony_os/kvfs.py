@@ -178,7 +178,7 @@ class KVFS:
         self._files: dict[int, KvFile] = {}
         self._names: dict[tuple[str, str], KvFile] = {}
         self._next_file_id = 1
-        self._protected: Counter[int] = Counter()  # file id -> protect() blocks open on it
+        self._protected: list[set[int]] = []  # the file ids of each protect() block open now
         self.evicted_files = 0
         self.swapped_out_pages = 0
         # Tenant -> most pages its files may hold; checked when a file grows (see pages_of).
@@ -295,19 +295,22 @@ class KVFS:
     def protect(self, files: list[KvFile]) -> Iterator[None]:
         """Within this block, the given files are not swapped out or evicted to make room (the
         lock is taken only to update the protected set, so a forward pass can run inside)."""
-        ids = [f.file_id for f in files]
+        ids = {f.file_id for f in files}
         with self.lock:
-            self._protected.update(ids)
+            self._protected.append(ids)
         try:
             yield
         finally:
-            # Counted: a block that ends does not unprotect a file another block still holds
-            # (the engine's runs a whole forward pass without the lock).
+            # Each block keeps its own set: one that ends does not unprotect a file another
+            # block still holds (the engine's runs a whole forward pass without the lock).
+            # Nothing per file: a batch protects every file it runs.
             with self.lock:
-                self._protected.subtract(ids)
-                for file_id in ids:
-                    if self._protected[file_id] <= 0:
-                        del self._protected[file_id]
+                blocks = self._protected
+                del blocks[next(i for i, block in enumerate(blocks) if block is ids)]
+
+    def _protected_ids(self) -> set[int]:
+        """The files some protect() block holds now (under the lock)."""
+        return set().union(*self._protected)
 
     def reserve_slots(self, file: KvFile, positions: list[int], now: float | None = None) -> list[int]:
         """Make room for `len(positions)` new tokens at the end of `file` and return their flat
@@ -391,11 +394,11 @@ class KVFS:
         """Evict the account's closed cache files until `pages` of its pages are freed (or
         none is left). Among equally recent files, those holding later positions go first:
         a prefix cache's deeper blocks are worth less than the ones every lookup passes."""
-        now, held = self.clock(), self._held.get(account, {})
+        now, held, protected = self.clock(), self._held.get(account, {}), self._protected_ids()
         target = len(held) - pages
         victims = sorted((f for (owner, _), f in self._names.items()
                           if owner != account and quota_account(owner) == account and self._evictable(f, now)
-                          and f.file_id not in self._protected),
+                          and f.file_id not in protected),
                          key=lambda f: (f.last_used, -f.next_position))
         for file in victims:
             if len(held) <= target:
@@ -487,7 +490,7 @@ class KVFS:
         files from another's pressure, as many as the pool holds."""
         target = self.pool.free_pages + pages_needed
         now = self.clock()
-        protected = self._protected
+        protected = self._protected_ids()
         evictable = [f for f in self._files.values() if self._evictable(f, now) and f.file_id not in protected]
         for _, file in _largest_first(evictable, lambda f: (f.hints.keep_for_s is None, f.hints.priority, f.last_used),
                                       lambda account: len(self._held.get(account, ()))):
