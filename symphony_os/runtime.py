@@ -39,7 +39,9 @@ class Worker:
         self.index = index
         self.driver = driver
         self.processes: set[Process] = set()
-        self._ready: dict[int, tuple[Process, bool]] = {}  # pid -> (process, preempted)
+        # process -> preempted. Keyed by the process itself: its hash is its address, so a
+        # wake-up reads nothing of the (by then cold) process to queue it.
+        self._ready: dict[Process, bool] = {}
         self._urgent = 0  # queued processes that were not merely preempted
         self._lock = threading.Lock()  # taken directly: a Condition's own `with` is Python code
         self._cond = threading.Condition(self._lock)
@@ -71,10 +73,10 @@ class Worker:
         delivered all of them, so one round takes every process the batch released."""
         driving = self.driver.is_driving()
         with self._lock:
-            queued = self._ready.get(process.pid)
-            if queued is None or (queued[1] and not preempted):
-                self._urgent += (not preempted) - (queued is not None and not queued[1])
-                self._ready[process.pid] = (process, preempted)
+            queued = self._ready.get(process)  # None, or whether it was queued as preempted
+            if queued is None or (queued and not preempted):
+                self._urgent += (not preempted) - (queued is False)
+                self._ready[process] = preempted
             if not driving and self.thread is not None:
                 self._cond.notify()
         if not driving and self.thread is None:
@@ -107,7 +109,7 @@ class Worker:
         return True
 
     def _take_round(self) -> list[tuple[Process, bool]]:
-        batch = list(self._ready.values())
+        batch = list(self._ready.items())
         self._ready.clear()
         self._round_urgent = self._urgent > 0
         self._urgent = 0
