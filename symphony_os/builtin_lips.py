@@ -33,7 +33,7 @@ def builtin_lip(name: str) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    result = subprocess.run([sys.executable, "-m", "ziglang", "cc", "--target=wasm32-wasi", "-O2", "-s",
+    result = subprocess.run([sys.executable, "-I", "-m", "ziglang", "cc", "--target=wasm32-wasi", "-O2", "-s",
                              f"-I{SDK}", str(source), "-o", str(tmp)], capture_output=True, text=True)
     if result.returncode != 0:
         raise BuiltinBuildError(f"compiling {source} failed:\n{result.stderr.strip()}")

@@ -94,6 +94,8 @@ _SLOT_BYTES = _native.sym_fiber_slot_size()
 # nargs, answered (its byte 0), then the arguments (wasmtime_val_t) from this byte offset.
 _FUTURE, _CONTEXT, _CALLED, _FUNCTION, _CALLER, _RESULTS, _TRAP_RET, _NARGS, _ANSWERED = range(9)
 _ARGS_OFFSET = 72
+if _native.sym_fiber_args_offset() != _ARGS_OFFSET or _SLOT_BYTES < _ARGS_OFFSET:
+    raise ImportError("fiber_native.c's sym_fiber_slot does not match fiber.py's layout of it")
 MAX_BLOCKING_ARGS = 16  # SYM_FIBER_MAX_ARGS
 
 
@@ -555,8 +557,8 @@ class Fiber:
                 time_slice_ticks = 0  # answered at once: the guest runs on in its slice
         finally:
             _polling.fiber = outer
-        finished = state == _POLL_FINISHED
-        if finished:
+        finished = state == _POLL_FINISHED or self._future is None  # the call's handler closed it
+        if self._future is not None and finished:
             self._finish()
         if self._deferred is not None:
             deferred, self._deferred = self._deferred, None
@@ -573,20 +575,27 @@ class Fiber:
         try:
             call = HostCall(fields[_CALLER], self)
             outcome = function.handler(call, function.params.read(self._slot_address + _ARGS_OFFSET))
-            if isinstance(outcome, Pending):  # the call stays valid while the guest waits
-                self._wait, self._wait_call = outcome, call
-                call.fiber = None
-                if outcome.done:  # answered already: the guest runs on
-                    _deliver(self)
-                    return True
-                return False
-            if not isinstance(outcome, Ready):
-                raise TypeError(f"handler returned {type(outcome).__name__}, not Ready or Pending")
-            function.results.write(fields[_RESULTS], outcome.values, function.qualified_name)
+            if self._future is not None:  # else the handler closed this fiber: the call's slots are gone
+                if isinstance(outcome, Pending):  # the call stays valid while the guest waits
+                    self._wait, self._wait_call = outcome, call
+                    call.fiber = None
+                    if outcome.done:  # answered already: the guest runs on
+                        _deliver(self)
+                        return True
+                    return False
+                if not isinstance(outcome, Ready):
+                    raise TypeError(f"handler returned {type(outcome).__name__}, not Ready or Pending")
+                function.results.write(fields[_RESULTS], outcome.values, function.qualified_name)
         except BaseException as error:
-            _set_trap(fields[_TRAP_RET], _trap_for(function, error))
+            trap = _trap_for(function, error)
+            if self._future is not None:
+                _set_trap(fields[_TRAP_RET], trap)
+            else:
+                ffi.wasm_trap_delete(ctypes.cast(trap, ctypes.POINTER(ffi.wasm_trap_t)))
         if call is not None:
             call._caller = None
+        if self._future is None:
+            return False
         fields[_ANSWERED] = 1
         return True
 
@@ -612,6 +621,7 @@ class Fiber:
         future, self._future = self._future, None
         if future is None:
             return
+        self._fields[_FUTURE] = 0
         # Garbage cycles are finalized in any order (every module's globals at exit): if
         # wasmtime-py already freed something the future points into, deleting the future
         # would touch freed memory, so it is left alone.

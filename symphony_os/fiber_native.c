@@ -63,6 +63,7 @@ void sym_fiber_init(void *poll, void *set_deadline, void *new_trap) {
 }
 
 unsigned sym_fiber_slot_size(void) { return sizeof(sym_fiber_slot); }
+unsigned sym_fiber_args_offset(void) { return offsetof(sym_fiber_slot, args); }
 
 static bool read_answered(void *env) { return *(volatile uint8_t *)env != 0; }
 
@@ -94,6 +95,8 @@ void sym_fiber_blocking_call(void *env, void *caller, const sym_val *args, size_
  * in the slot), 0 if it waits or yielded. A nonzero `time_slice_ticks` gives it a fresh slice
  * first. Nested polls (from a sync host call's handler) restore the outer slot. */
 int sym_fiber_poll(sym_fiber_slot *slot, uint64_t time_slice_ticks) {
+    if (slot->future == 0) /* closed (fiber.py clears it): nothing left to run */
+        return 1;
     if (time_slice_ticks)
         set_epoch_deadline(slot->context, time_slice_ticks);
     sym_fiber_slot *outer = polled;

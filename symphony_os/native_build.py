@@ -4,8 +4,11 @@ source, the compiler flags and the platform.
 
 The cache is the user's own (`$XDG_CACHE_HOME/symphony/native`, mode 0700). What is loaded from it
 runs as native code in the host, so a library is loaded only from a directory of this user's that
-no one else may write to, and only if it is this user's own regular file, with one link and
-writable by no one else; anything else is rebuilt in a private directory of its own."""
+no one else may write to, on a path whose every directory is this user's or root's and writable
+by no one else (or sticky, as /tmp is), and only if it is this user's own regular file, with one
+link and writable by no one else; anything else is rebuilt in a private directory of its own.
+The compiler is `python -I -m ziglang`: isolated, so no `ziglang` module in the current
+directory (or PYTHONPATH) stands in for it."""
 from __future__ import annotations
 
 import ctypes
@@ -19,7 +22,9 @@ import tempfile
 from pathlib import Path
 
 # No C library: the sources need none, and zig builds it in a tenth of a second without one.
-FLAGS = ("-O2", "-shared", "-fPIC", "-nostdlib")
+# Baseline x86-64 (or the architecture's baseline): zig targets the building CPU by default (its
+# AVX, say), and a cache may outlive the machine it was built on.
+FLAGS = ("-O2", "-shared", "-fPIC", "-nostdlib", "-mcpu=baseline")
 
 
 class NativeBuildError(Exception):
@@ -49,16 +54,30 @@ def load_library(source: Path) -> ctypes.CDLL:
 
 
 def _private_cache() -> Path | None:
-    """The cache directory, if it is (or can be made) this user's alone; else None."""
-    directory = cache_dir()
+    """The cache directory (its real path), if it is (or can be made) this user's alone and no
+    one else can replace it or a directory above it; else None."""
     try:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        info = os.lstat(directory)
-    except OSError:
+        directory = cache_dir()  # raises RuntimeError with no HOME and no passwd entry
+        missing = [path for path in (directory, *directory.parents) if not os.path.lexists(path)]
+        for path in reversed(missing):  # each made 0700 (makedirs gives parents the umask's)
+            path.mkdir(mode=0o700, exist_ok=True)
+        directory = Path(os.path.realpath(directory))
+        return directory if _safe_ancestry(directory) else None
+    except (OSError, RuntimeError):
         return None
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
-        return None
-    return directory
+
+
+def _safe_ancestry(directory: Path) -> bool:
+    """Is `directory` (a real path) this user's, writable by no one else, under directories that
+    are this user's or root's and writable by no one else unless sticky?"""
+    uid = os.getuid()
+    for depth, path in enumerate((directory, *directory.parents)):
+        info = os.lstat(path)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid not in (uid, 0) or (depth == 0 and info.st_uid != uid):
+            return False
+        if info.st_mode & 0o022 and (depth == 0 or not info.st_mode & stat.S_ISVTX):
+            return False
+    return True
 
 
 def _trusted(path: Path) -> bool:
@@ -77,7 +96,7 @@ def _compile(source: Path, directory: Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="symphony-zig-") as zig_cache:  # zig's own, private
         env = dict(os.environ, ZIG_GLOBAL_CACHE_DIR=zig_cache, ZIG_LOCAL_CACHE_DIR=zig_cache)
         try:
-            result = subprocess.run([sys.executable, "-m", "ziglang", "cc", *FLAGS, str(source), "-o", out],
+            result = subprocess.run([sys.executable, "-I", "-m", "ziglang", "cc", *FLAGS, str(source), "-o", out],
                                     capture_output=True, text=True, env=env, timeout=300)
         except (OSError, subprocess.TimeoutExpired) as error:
             os.unlink(out)

@@ -478,3 +478,121 @@ def test_a_blocking_call_outside_fiber_poll_traps_the_guest():
     assert fiber_module._future_poll(fiber._future) is True  # the guest trapped in its first call
     fiber._finish()
     assert queue.waiting == [] and "outside Fiber.poll" in fiber.trap
+
+
+WIDE_WAT = """
+(module
+  (import "symphony" "wide" (func $wide (param i32 i64 f32 f64) (result i64)))
+  (func (export "run") (result i64)
+    (call $wide (i32.const -7) (i64.const 9000000000) (f32.const 1.5) (f64.const -2.25))))
+"""
+
+
+def test_a_blocking_call_receives_arguments_of_every_kind():
+    seen = []
+
+    def wide(call, args):
+        seen.append(tuple(args))
+        return Ready([args[1] + 1])
+
+    engine = make_async_engine(epoch_interruption=False)
+    linker = AsyncLinker(engine)
+    I64, F32, F64 = wasmtime.ValType.i64(), wasmtime.ValType.f32(), wasmtime.ValType.f64()
+    linker.define_async("symphony", "wide", [I32, I64, F32, F64], [I64], wide)
+    store = wasmtime.Store(engine)
+    exports = linker.instantiate(store, wasmtime.Module(engine, wasmtime.wat2wasm(WIDE_WAT))).exports(store)
+    assert run_to_end(Fiber(store, exports["run"])).result == [9000000001]
+    assert seen == [(-7, 9000000000, 1.5, -2.25)]
+
+
+SPIN_THEN_WAIT_WAT = """
+(module
+  (import "symphony" "wait2" (func $wait (param i32 i32) (result i32)))
+  (func (export "run") (param $id i32) (param $n i32) (result i32) (local $i i32) (local $k i32) (local $sum i32)
+    (block $done (loop $next
+      (br_if $done (i32.ge_u (local.get $i) (local.get $n)))
+      (local.set $k (i32.const 0))
+      (loop $spin (local.set $k (i32.add (local.get $k) (i32.const 1)))
+        (br_if $spin (i32.lt_u (local.get $k) (i32.const 20000))))
+      (local.set $sum (i32.add (local.get $sum) (call $wait (local.get $id) (local.get $i))))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br $next)))
+    (local.get $sum)))
+"""
+
+
+def test_two_threads_polling_at_once_record_each_call_in_its_own_fiber():
+    """Each guest computes before each call, so both threads are inside the C poll together
+    (ctypes lets go of the GIL there): a call must land in the fiber its own thread polls."""
+    misplaced = []
+
+    def wait(call, args):
+        if args[0] != call.fiber.owner:
+            misplaced.append((call.fiber.owner, args[0]))
+        return Ready([args[1]])
+
+    engine = make_async_engine(epoch_interruption=False)
+    linker = AsyncLinker(engine)
+    linker.define_async("symphony", "wait2", [I32, I32], [I32], wait)
+    module = wasmtime.Module(engine, wasmtime.wat2wasm(SPIN_THEN_WAIT_WAT))
+    results = {}
+
+    def scheduler(base: int) -> None:
+        fibers = []
+        for owner in range(base, base + 4):
+            store = wasmtime.Store(engine)
+            exports = linker.instantiate(store, module).exports(store)
+            fibers.append((store, Fiber(store, exports["run"], [owner, 300], owner=owner)))
+        for _, fiber in fibers:
+            run_to_end(fiber, max_polls=10)
+        results[base] = [fiber.result for _, fiber in fibers]
+
+    threads = [threading.Thread(target=scheduler, args=(base,)) for base in (100, 200)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert misplaced == []
+    assert results == {100: [[sum(range(300))]] * 4, 200: [[sum(range(300))]] * 4}
+
+
+def test_a_sync_handler_may_poll_another_fiber_and_its_own_guest_blocks_afterwards():
+    queue = WaitQueue()
+    engine, linker, _ = make_guest_env(queue, epoch_interruption=False)
+    nested = {}
+
+    def poke(call, args):
+        nested["other polled"] = nested["other"].poll()
+        return [7]
+
+    linker.define_func("symphony", "poke", [], [I32], poke)
+    module = wasmtime.Module(engine, wasmtime.wat2wasm("""
+        (module
+          (import "symphony" "wait" (func $wait (param i32) (result i32)))
+          (import "symphony" "poke" (func $poke (result i32)))
+          (func (export "outer") (result i32) (call $wait (i32.add (call $poke) (i32.const 100))))
+          (func (export "other") (result i32) (call $wait (i32.const 5))))"""))
+    stores = [wasmtime.Store(engine) for _ in range(2)]
+    outer_exports, other_exports = (linker.instantiate(store, module).exports(store) for store in stores)
+    nested["other"] = other = Fiber(stores[1], other_exports["other"], owner="other")
+    outer = Fiber(stores[0], outer_exports["outer"], owner="outer")
+    assert outer.poll() is False and nested["other polled"] is False
+    assert sorted((owner, x) for _, owner, x in queue.waiting) == [("other", 5), ("outer", 107)]
+    queue.answer_all()
+    assert run_to_end(outer).result == [214] and run_to_end(other).result == [10]
+
+
+def test_a_handler_that_closes_its_own_fiber_ends_it_without_touching_the_call():
+    fibers = []
+
+    def close_mine(call, args):
+        fibers[0].close()  # the guest's call is unwound: its result and trap slots are gone
+        return Ready([1]) if args[0] == 0 else Pending()
+
+    engine, linker, module = make_guest_env(close_mine, epoch_interruption=False)
+    for start in (0, 1):  # answered at once / left waiting
+        store, exports = new_guest(engine, linker, module)
+        fibers[:] = [Fiber(store, exports["wait_then_load"], [start])]
+        assert fibers[0].poll() is True
+        assert fibers[0].done and fibers[0].trap == "closed before it finished"
+        assert fibers[0].poll() is True

@@ -3,6 +3,7 @@ written to is never loaded from."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -74,3 +75,58 @@ def _other(tmp_path: Path, answer: int):
     directory = tmp_path / f"other-{answer}"
     directory.mkdir()
     return load_library(source(directory, answer))
+
+
+def test_a_cached_library_with_a_second_link_is_rebuilt(tmp_path, cache):
+    built = _build_elsewhere(tmp_path, 7)
+    os.link(built, tmp_path / "second-link")  # someone else's name for the file: they may rewrite it
+    os.unlink(built)
+    os.link(_build_elsewhere(tmp_path / "other", 666, cache_of=tmp_path / "other-cache"), built)
+    assert load_library(source(tmp_path, 7)).answer() == 7
+    assert built.stat().st_nlink == 1
+
+
+def test_a_cache_under_a_directory_others_may_write_is_not_used(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # anyone could swap the cache directory inside it for their own
+    monkeypatch.setenv("XDG_CACHE_HOME", str(shared / "cache"))
+    name = _build_elsewhere(tmp_path, 7, cache_of=tmp_path / "trusted").name
+    planted = shared / "cache" / "symphony" / "native" / name  # a library of 666 under 7's name,
+    planted.parent.mkdir(mode=0o700, parents=True)  # in a directory that looks private
+    for directory in (shared / "cache", shared / "cache" / "symphony"):
+        os.chmod(directory, 0o700)
+    shutil.copy(_build_elsewhere(tmp_path / "other", 666, cache_of=tmp_path / "other-cache"), planted)
+    os.chmod(planted, 0o700)
+    assert load_library(source(tmp_path, 7)).answer() == 7  # built privately instead
+
+
+def test_the_directories_it_makes_are_private(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh" / "cache"))
+    load_library(source(tmp_path, 7))
+    for directory in (tmp_path / "fresh", tmp_path / "fresh" / "cache", tmp_path / "fresh" / "cache" / "symphony"):
+        assert directory.stat().st_mode & 0o777 == 0o700
+
+
+def test_without_a_home_directory_it_builds_privately(tmp_path, monkeypatch):
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(Path, "home", lambda: (_ for _ in ()).throw(RuntimeError("no home")))
+    assert load_library(source(tmp_path, 5)).answer() == 5
+
+
+def test_a_ziglang_module_in_the_working_directory_is_not_the_compiler(tmp_path, cache, monkeypatch):
+    (tmp_path / "ziglang.py").write_text("import pathlib, sys\npathlib.Path(sys.argv[-1]).write_text('planted')\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_library(source(tmp_path, 3)).answer() == 3
+
+
+def _build_elsewhere(tmp_path: Path, answer: int, cache_of: Path | None = None) -> Path:
+    """Build in another process (one that had loaded a path gets its old library back from
+    it) and return the cached file."""
+    tmp_path.mkdir(exist_ok=True)
+    env = dict(os.environ, **({"XDG_CACHE_HOME": str(cache_of)} if cache_of else {}))
+    path = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
+                           "from symphony_os import native_build; "
+                           "print(native_build.load_library(Path(sys.argv[1]))._name)", str(source(tmp_path, answer))],
+                          check=True, env=env, capture_output=True, text=True).stdout.strip()
+    return Path(path)
