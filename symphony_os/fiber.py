@@ -397,9 +397,10 @@ def _deliver(fiber: "Fiber") -> None:
 
 
 @_FINALIZER
-def _forget_function(key) -> None:
-    """wasmtime dropped the last linker or store that held this host function."""
-    _FUNCTIONS.pop(key, None)
+def _forget_function(key, functions: dict = _FUNCTIONS) -> None:
+    """wasmtime dropped the last linker or store that held this host function. (The map is
+    bound here: at interpreter exit a linker may be freed after this module's globals are.)"""
+    functions.pop(key, None)
 
 
 class AsyncLinker:
