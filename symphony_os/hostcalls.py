@@ -71,7 +71,7 @@ class HostCalls:
     """The system calls of one process, each entered through `dispatch`."""
 
     __slots__ = ("process", "engine", "kv", "tickets", "_next_ticket", "prefix_cache", "prefix_files", "last_limit",
-                 "_failures_logged", "host_distribution_bytes")
+                 "_failures_logged", "host_distribution_bytes", "_distribution_into")
 
     def __init__(self, process: "Process"):
         self.process = process
@@ -85,6 +85,8 @@ class HostCalls:
         self._failures_logged: set[str] = set()  # calls whose unexpected failure was logged
         # What `distribution` resources of a component hold on the host (component.py).
         self.host_distribution_bytes: Callable[[], int] = lambda: 0
+        # The last blocking pred's distribution buffer: (guest address, the want writing there).
+        self._distribution_into: tuple[int, Distribution] | None = None
 
     # The import table: name -> number of i32 parameters (checked against the WIT by a test).
     @classmethod
@@ -380,10 +382,18 @@ class HostCalls:
         if kind == KIND_DISTRIBUTION:
             # The host's softmax goes straight into the guest's buffer as the batch is answered
             # (the guest is suspended until then, and its memory never moves; the request holds
-            # the Store that owns that memory, so it outlives a kill meanwhile).
-            into = mem.f32_tensor(out_ptr, self.engine.loaded.config.vocab_size)
-            if into is not None:
-                want = Distribution(into=into, keep=self.process.store)
+            # the Store that owns that memory, so it outlives a kill meanwhile). A guest decodes
+            # into one buffer token after token: its tensor is made once (a memory never moves
+            # or shrinks, and one blocking pred at a time writes it). Measured at batch 1, after
+            # each forward pass: 13 us a token for the tensor alone.
+            cached = self._distribution_into
+            if cached is not None and cached[0] == out_ptr:
+                want = cached[1]
+            else:
+                into = mem.f32_tensor(out_ptr, self.engine.loaded.config.vocab_size)
+                if into is not None:
+                    want = Distribution(into=into, keep=self.process.store)
+                    self._distribution_into = (out_ptr, want)
         future = self._queue(kv, tokens, positions, want).future
         if future.done():
             return _finish_pred(mem, self, future, want, out_ptr, cap)

@@ -439,6 +439,31 @@ def test_distribution_lands_in_the_guests_buffer(tiny_engine, offset, processes,
         assert_sent_distributions(tiny_engine, sent[1:], (5, 7))
 
 
+def test_distributions_into_two_buffers_land_each_in_its_own(tiny_engine):
+    """Preds alternating between two buffers: each distribution lands in the buffer of its own
+    pred (the host keeps the tensor of the last buffer it wrote into; another address gets its
+    own), and the other buffer keeps what it had."""
+    vocab = tiny_engine.loaded.config.vocab_size
+    first, second = 1024, 1024 + 4 * vocab
+
+    def pred(token_at: int, out: int) -> str:
+        return (f"(drop (call $pred (local.get $kv) (i32.const {token_at}) (i32.const 0) (i32.const 1) (i32.const 0)"
+                f" (i32.const 0) (i32.const {out}) (i32.const {vocab})))")
+
+    send_both = "".join(f"(drop (call $send (i32.const {out}) (i32.const {4 * vocab})))" for out in (first, second))
+    guest = distribution_guest(pred(16, first) + pred(20, second) + send_both + pred(16, first) + send_both)
+    with Runtime(tiny_engine, drive_in_caller=True) as runtime:
+        sent = []
+        process = runtime.spawn(runtime.load(guest, "two-buffers"), on_output=sent.append)
+        assert runtime.wait(process, 30) == 0, process.end_reason
+    kv = tiny_engine.session()
+    handle = kv.create()
+    after = [tiny_engine.pred(kv, handle, [token], want=Distribution()).probs for token in (5, 7, 5)]
+    kv.close_all()
+    got = [torch.frombuffer(bytearray(message), dtype=torch.float32) for message in sent]
+    assert [torch.equal(g, e) for g, e in zip(got, (after[0], after[1], after[2], after[1]))] == [True] * 4
+
+
 def test_a_process_killed_with_a_distribution_in_flight_leaves_the_host_whole(tiny_engine):
     """The batch writes a blocking pred's distribution into the guest's memory: a process killed
     and dropped before its batch runs must not leave the engine writing into freed memory."""
