@@ -6,8 +6,9 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
-import sys
 from pathlib import Path
+
+from .native_build import ZIG_CC, cache_root
 
 SOURCES = Path(__file__).resolve().parent / "builtin"
 # Through the package's link to guest_sdk/c: an installed wheel holds a copy there.
@@ -19,8 +20,7 @@ class BuiltinBuildError(Exception):
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "symphony" / "builtin"
+    return cache_root() / "builtin"
 
 
 def builtin_lip(name: str) -> Path:
@@ -33,7 +33,7 @@ def builtin_lip(name: str) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    result = subprocess.run([sys.executable, "-I", "-m", "ziglang", "cc", "--target=wasm32-wasi", "-O2", "-s",
+    result = subprocess.run([*ZIG_CC, "--target=wasm32-wasi", "-O2", "-s",
                              f"-I{SDK}", str(source), "-o", str(tmp)], capture_output=True, text=True)
     if result.returncode != 0:
         raise BuiltinBuildError(f"compiling {source} failed:\n{result.stderr.strip()}")

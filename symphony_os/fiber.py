@@ -96,7 +96,6 @@ _FUTURE, _CONTEXT, _CALLED, _FUNCTION, _CALLER, _RESULTS, _TRAP_RET, _NARGS, _AN
 _ARGS_OFFSET = 72
 if _native.sym_fiber_args_offset() != _ARGS_OFFSET or _SLOT_BYTES < _ARGS_OFFSET:
     raise ImportError("fiber_native.c's sym_fiber_slot does not match fiber.py's layout of it")
-MAX_BLOCKING_ARGS = 16  # SYM_FIBER_MAX_ARGS
 
 
 def _address(pointer) -> int:
@@ -255,6 +254,7 @@ _ADDRESS = struct.Struct("<Q")
 # A wasmtime_val_t is 32 bytes: the kind byte, then the value at offset 8.
 _VALUE_BYTES = 32
 _VALUE_CODE = {0: "i20x", 1: "q16x", 2: "f20x", 3: "d16x"}  # kind -> struct code and padding
+MAX_BLOCKING_ARGS = (_SLOT_BYTES - _ARGS_OFFSET) // _VALUE_BYTES  # the slot's room: SYM_FIBER_MAX_ARGS
 
 
 class _ValueLayout:

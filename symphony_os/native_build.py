@@ -6,9 +6,7 @@ The cache is the user's own (`$XDG_CACHE_HOME/symphony/native`, mode 0700). What
 runs as native code in the host, so a library is loaded only from a directory of this user's that
 no one else may write to, on a path whose every directory is this user's or root's and writable
 by no one else (or sticky, as /tmp is), and only if it is this user's own regular file, with one
-link and writable by no one else; anything else is rebuilt in a private directory of its own.
-The compiler is `python -I -m ziglang`: isolated, so no `ziglang` module in the current
-directory (or PYTHONPATH) stands in for it."""
+link and writable by no one else; anything else is rebuilt in a private directory of its own."""
 from __future__ import annotations
 
 import ctypes
@@ -27,13 +25,24 @@ from pathlib import Path
 FLAGS = ("-O2", "-shared", "-fPIC", "-nostdlib", "-mcpu=baseline")
 
 
+# zig's clang, isolated (`-I`): no `ziglang` module in the working directory or on PYTHONPATH
+# stands in for it. builtin_lips.py compiles with it too.
+ZIG_CC = (sys.executable, "-I", "-m", "ziglang", "cc")
+
+
 class NativeBuildError(Exception):
     """A C source of the package could not be compiled; the message has the compiler's output."""
 
 
-def cache_dir() -> Path:
+def cache_root() -> Path:
+    """The user's cache of things Symphony compiles ($XDG_CACHE_HOME/symphony); RuntimeError
+    when there is no XDG_CACHE_HOME and no home directory."""
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "symphony" / "native"
+    return Path(root) / "symphony"
+
+
+def cache_dir() -> Path:
+    return cache_root() / "native"
 
 
 def load_library(source: Path) -> ctypes.CDLL:
@@ -96,7 +105,7 @@ def _compile(source: Path, directory: Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="symphony-zig-") as zig_cache:  # zig's own, private
         env = dict(os.environ, ZIG_GLOBAL_CACHE_DIR=zig_cache, ZIG_LOCAL_CACHE_DIR=zig_cache)
         try:
-            result = subprocess.run([sys.executable, "-I", "-m", "ziglang", "cc", *FLAGS, str(source), "-o", out],
+            result = subprocess.run([*ZIG_CC, *FLAGS, str(source), "-o", out],
                                     capture_output=True, text=True, env=env, timeout=300)
         except (OSError, subprocess.TimeoutExpired) as error:
             os.unlink(out)
