@@ -65,8 +65,11 @@ tests/as_guests/%.wasm: tests/as_guests/%.ts guest_sdk/assemblyscript/symphony.t
 lips/python/%.wasm: lips/python/%.py guest_sdk/python/symphony.py guest_sdk/python/wit/symphony.wit | $(VENV)/.installed
 	$(COMPONENTIZE) $* -o $@
 
-# Code completion on the default model; stdin closed, so it completes PROMPT once and ends.
+# The paper's basic decoding (lips/hello.wasm: the distribution to the guest, argmax there), then
+# code completion (lips/complete_code.wasm: token healing, no repeated 4-grams) of the same
+# PROMPT, both on the default model; stdin closed, so each completes PROMPT once and ends.
 run: lips
+	$(VENV)/bin/symphony run $(MODEL_FLAG) --stats lips/hello.wasm -- "$$(printf '$(PROMPT)')" 60 < /dev/null
 	$(VENV)/bin/symphony run $(MODEL_FLAG) --stats lips/complete_code.wasm -- "$(PROMPT)" 80 < /dev/null
 
 generate: install
