@@ -205,7 +205,9 @@ class Choices:
         self.completion_tokens = 0
 
     async def events(self, tenant: Tenant) -> AsyncIterator[tuple[int, str, list[TokenEvent], str | None]]:
-        """(branch, new text, new token log-probs, finish reason) as the process goes."""
+        """(branch, new text, new token log-probs, finish reason) as the process goes. The first,
+        (0, "", [], None), comes once the process has read the prompt and looked up its cached
+        prefix, before the prompt's forward pass: a stream's response can start then."""
         counters = self.state.completions
         counters.requests += 1
         async for item in run_completion(self.state, tenant, self.request):
@@ -213,6 +215,7 @@ class Choices:
                 self.info = item
                 counters.prompt_tokens += item.prompt_tokens
                 counters.cached_tokens += item.cached_tokens
+                yield 0, "", [], None
             elif isinstance(item, TokenEvent):
                 self.completion_tokens += 1
                 counters.completion_tokens += 1
@@ -290,7 +293,8 @@ async def _respond(request: Request, body: SamplingBody, completion: CompletionR
         return f"data: {json.dumps(data)}\n\n"
 
     # The process starts before the response does, so a quota refusal is still a 403 (a check
-    # here and a start in the stream let concurrent requests pass the check together).
+    # here and a start in the stream let concurrent requests pass the check together). The
+    # headers go once it has started, not after the prompt's forward pass (events' first item).
     events = choices.events(tenant)
     first = await anext(events, None)
 

@@ -1,6 +1,8 @@
 """The OpenAI-compatible endpoints, driven by the unmodified `openai` package: completions,
 streamed chat completions, sampling options, automatic prefix reuse, and OpenAI-shaped errors."""
 import asyncio
+import json
+import threading
 import time
 
 import httpx
@@ -279,3 +281,28 @@ def test_a_completion_whose_client_left_is_stopped(served):
     while record.running and time.monotonic() < deadline:
         time.sleep(0.05)
     assert "the request went away" in record.process.end_reason
+
+
+def test_a_stream_starts_before_the_prompts_forward_pass(served, monkeypatch):
+    """The response's headers (and a chat's role chunk) went out only with the first token,
+    after the prompt's forward pass: a long prompt left the client with nothing, not even a
+    status. Here no forward pass may run until the stream has started."""
+    gate, run = threading.Event(), served.engine.runner.run
+
+    def held_back(seqs):
+        assert gate.wait(20), "the stream never started"
+        return run(seqs)
+
+    monkeypatch.setattr(served.engine.runner, "run", held_back)
+    body = {"model": "stories260K", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8,
+            "stream": True}
+    with httpx.stream("POST", served.url + "/v1/chat/completions", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {TOKENS['carol']}"}) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        first = next(line for line in lines if line)
+        assert not gate.is_set()  # no token yet: the stream began before any forward pass
+        assert json.loads(first.removeprefix("data: "))["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        gate.set()
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]" and any('"content"' in line for line in rest[:-1])
