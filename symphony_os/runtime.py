@@ -276,10 +276,13 @@ class Runtime:
         self._ticker = EpochTicker(self.wasm_engine, EPOCH_INTERVAL_S)
         self._watchdog = Watchdog(lambda: self.processes.values())
         self._started = False
+        self._closed = False  # its threads run once: a closed runtime cannot start again
         self._next_worker = 0
         self.component_linker: ComponentLinker | None = None
 
     def start(self) -> "Runtime":
+        if self._closed:
+            raise RuntimeError("this Runtime was closed; make a new one to run more processes")
         if not self._started:
             self._started = True
             tune_gc(collect_all=self.driver.thread is not None)  # one-thread: `symphony run`
@@ -293,7 +296,8 @@ class Runtime:
         return self
 
     def close(self) -> None:
-        """Kill what still runs and stop the threads."""
+        """Kill what still runs and stop the threads; the runtime cannot start again."""
+        self._closed = True
         processes = list(self.processes.values())
         for process in processes:
             process.kill("runtime shut down")

@@ -506,3 +506,17 @@ def test_distribution_lands_in_memory_the_guest_grew(tiny_engine):
         proc = runtime.spawn(runtime.load(guest, "grow"), on_output=sent.append)
         assert runtime.wait(proc, 30) == 0, proc.end_reason
     assert_sent_distributions(tiny_engine, sent, (5, 7))
+
+
+def test_a_closed_runtime_says_so_instead_of_starting_again(tiny_engine):
+    """Its threads run once: a spawn after close() failed with "threads can only be started
+    once", naming no runtime, or (drive in caller) queued a process nothing would run."""
+    for drive_in_caller in (False, True):
+        runtime = Runtime(tiny_engine, drive_in_caller=drive_in_caller)
+        with runtime:
+            program = runtime.load(wat('(module (memory (export "memory") 1) (func (export "_start")))'))
+            assert runtime.wait(runtime.spawn(program), 30) == 0
+        for again in (runtime.start, lambda: runtime.spawn(program)):
+            with pytest.raises(RuntimeError, match="Runtime was closed; make a new one"):
+                again()
+        assert not runtime.processes  # nothing queued that would never run
