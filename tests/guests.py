@@ -18,7 +18,7 @@ def build_c(source: Path, out: Path, simd: bool = True) -> Path:
     headers = [SDK / "symphony.h", *source.parent.glob("*.h")]  # lips/gallery.h and friends
     newest_input = max(path.stat().st_mtime for path in [source, *headers])
     if not out.exists() or out.stat().st_mtime < newest_input:
-        subprocess.run([sys.executable, "-m", "ziglang", "cc", "--target=wasm32-wasi", "-O2", "-s",
+        subprocess.run([sys.executable, "-I", "-m", "ziglang", "cc", "--target=wasm32-wasi", "-O2", "-s",
                         *(["-msimd128"] if simd else []), f"-I{SDK}", str(source), "-o", str(out)], check=True)
     return out
 

@@ -113,6 +113,31 @@ def test_graph_of_thought_prefills_once_forks_and_merges(runtime, engine):
     assert used < 2 * prompt_tokens + branches * steps  # a second prefill would not fit
 
 
+def test_graph_of_thought_ranks_an_empty_thought_last(runtime, engine, monkeypatch):
+    """A thought that ends at its first step printed score -1e9 but was compared as 0, above
+    every real thought, and the merge took it as the best. Here the model is steered so that
+    end of text ties with the likeliest token at the thoughts' first step (and comes first in
+    the top-k, by its lower id): the first thought's draw (its seed's first) takes it."""
+    run_model, first_step = engine.runner.run, [True]
+    eos = engine.loaded.eos_token_ids[0]
+
+    def steered(seqs):
+        logits = run_model(seqs)
+        if len(seqs) == 6 and first_step[0]:  # the six thoughts' first step (the prefill is one)
+            first_step[0] = False
+            logits = logits.clone()  # an inference tensor
+            logits[:, eos] = logits.max(dim=1).values
+        return logits
+
+    monkeypatch.setattr(engine.runner, "run", steered)
+    out, _ = run(runtime, "graph_of_thought", ["Tom was sad. He went to bed.", "6", "6", "4"])
+    scores = [float(s) for s in re.findall(r"^thought \d \(score (-?[\d.]+)\)", out, re.M)]
+    assert len(scores) == 6 and scores[0] == -1e9, out  # the first thought is empty
+    best, second = map(int, re.search(r"^merge: thoughts (\d) \+ (\d)", out, re.M).groups())
+    ranked = sorted(range(6), key=lambda i: -scores[i])
+    assert (best, second) == tuple(ranked[:2]) and scores[second] > -1e9, out
+
+
 def test_react_loop_runs_tools_and_computes_the_transcript_once(runtime, engine):
     runtime.tools.calls.clear()
     before = engine.stats().tokens
