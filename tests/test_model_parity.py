@@ -72,6 +72,7 @@ MODELS = {
     "qwen2-attention-bias": ("qwen2", {}),
     "qwen3-qk-norm": ("qwen3", dict(head_dim=32)),
     "mistral": ("mistral", {}),
+    "llama-tanh-gelu": ("llama", dict(hidden_act="gelu_pytorch_tanh")),
     # Windows shorter than the 30 tokens of the test, so they cut.
     "mistral-window-8": ("mistral", dict(sliding_window=8)),
     # Qwen2/3 slide only the layers transformers marks sliding (layer i >= max_window_layers).
