@@ -191,6 +191,12 @@ def lip_decode(engine: Engine, hello: Path, prompts: list[str], new_tokens: int)
     return elapsed, [b"".join(o).decode() for o in outputs]
 
 
+def _quartiles(values) -> list[float]:
+    """The first and third quartiles."""
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return [q1, q3]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds, tokens and repeats")
@@ -276,6 +282,10 @@ def main() -> None:
                        lip_tok_s=tokens / lip_s, api_same_work_tok_s=tokens / same_work_s,
                        ratio=statistics.median(a / b for a, b in zip(times["api"], times["lip"])),
                        ratio_same_work=statistics.median(a / b for a, b in zip(times["same_work"], times["lip"])),
+                       # The spread of the paired ratios (their quartiles): how far the VM's noise
+                       # moves one pair, against the few percent the median is read for.
+                       ratio_quartiles=_quartiles(a / b for a, b in zip(times["api"], times["lip"])),
+                       ratio_same_work_quartiles=_quartiles(a / b for a, b in zip(times["same_work"], times["lip"])),
                        ratio_of_medians=api_s / lip_s, ratio_same_work_of_medians=same_work_s / lip_s,
                        ratio_of_best=min(times["api"]) / min(times["lip"]),
                        ratio_from_host_time=(shared_forward + host["api"]) / (shared_forward + host["lip"]),
@@ -308,11 +318,13 @@ def main() -> None:
           f"median of {real_repeats}; ratios: median of the paired runs' (target ratio >= 0.95). 'API' is host "
           "greedy; 'API, hello's work' also takes the full distribution, its argmax and a detokenize per token, "
           "as hello does")
-    print(f"{'batch':>5} | {'LIP tok/s':>9} | {'API tok/s':>9} | {'ratio':>5} | {'API, hello work':>15} | "
-          f"{'ratio':>5} | identical")
+    print(f"{'batch':>5} | {'LIP tok/s':>9} | {'API tok/s':>9} | {'ratio (quartiles)':>23} | {'API, hello work':>15} | "
+          f"{'ratio (quartiles)':>23} | identical")
     for r in real_rows:
-        print(f"{r['batch']:>5} | {r['lip_tok_s']:>9.1f} | {r['api_tok_s']:>9.1f} | {r['ratio']:>5.3f} | "
-              f"{r['api_same_work_tok_s']:>15.1f} | {r['ratio_same_work']:>5.3f} | {r['identical_outputs']}")
+        (q1, q3), (w1, w3) = r["ratio_quartiles"], r["ratio_same_work_quartiles"]
+        print(f"{r['batch']:>5} | {r['lip_tok_s']:>9.1f} | {r['api_tok_s']:>9.1f} | "
+              f"{r['ratio']:>5.3f} ({q1:.3f}-{q3:.3f}) | {r['api_same_work_tok_s']:>15.1f} | "
+              f"{r['ratio_same_work']:>5.3f} ({w1:.3f}-{w3:.3f}) | {r['identical_outputs']}")
     print("\nHost time per token outside the model's forward passes (sampling included), us (median of the same "
           "runs), and the ratios it gives with the forward time the paths share")
     print(f"{'batch':>5} | {'forward':>7} | {'LIP':>6} | {'API':>6} | {'API, hello work':>15} | {'ratio':>5} | "
