@@ -27,9 +27,22 @@ import stat
 import time
 from pathlib import Path
 
+from .native_build import cache_root
+
 log = logging.getLogger("symphony.compile_cache")
 
-CACHE_DIR = Path(os.environ.get("SYMPHONY_CACHE", Path.home() / ".cache" / "symphony")) / "components"
+
+
+def default_cache_dir() -> Path | None:
+    """Compiled components' place in the user's Symphony cache (native_build.cache_root), or
+    None (no cache) where the user has none: no home directory and no cache variable."""
+    try:
+        return cache_root() / "components"
+    except RuntimeError:
+        return None
+
+
+CACHE_DIR = default_cache_dir()
 MAX_CACHE_BYTES = 2 * 2**30
 COMPILED, DIGEST, PARTIAL = ".cwasm", ".sha256", ".partial"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)

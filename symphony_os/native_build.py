@@ -2,7 +2,8 @@
 `ziglang` package, a dependency) the first time they are needed, and cached by the hash of the
 source, the compiler flags and the platform.
 
-The cache is the user's own (`$XDG_CACHE_HOME/symphony/native`, mode 0700). What is loaded from it
+The cache is the user's own (`native` in `cache_root()`: `$SYMPHONY_CACHE`, else
+`$XDG_CACHE_HOME/symphony`, else `~/.cache/symphony`; mode 0700). What is loaded from it
 runs as native code in the host, so a library is loaded only from a directory of this user's that
 no one else may write to, on a path whose every directory is this user's or root's and writable
 by no one else (or sticky, as /tmp is), and only if it is this user's own regular file, with one
@@ -35,8 +36,11 @@ class NativeBuildError(Exception):
 
 
 def cache_root() -> Path:
-    """The user's cache of things Symphony compiles ($XDG_CACHE_HOME/symphony); RuntimeError
-    when there is no XDG_CACHE_HOME and no home directory."""
+    """The user's cache of things Symphony compiles: $SYMPHONY_CACHE, else
+    $XDG_CACHE_HOME/symphony, else ~/.cache/symphony; RuntimeError when none of them is set and
+    there is no home directory."""
+    if os.environ.get("SYMPHONY_CACHE"):
+        return Path(os.environ["SYMPHONY_CACHE"])
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(root) / "symphony"
 

@@ -14,6 +14,12 @@ from symphony_os import native_build
 from symphony_os.native_build import NativeBuildError, load_library
 
 
+@pytest.fixture(autouse=True)
+def no_symphony_cache(monkeypatch):
+    """The tests here place the cache with XDG_CACHE_HOME, which $SYMPHONY_CACHE overrides."""
+    monkeypatch.delenv("SYMPHONY_CACHE", raising=False)
+
+
 @pytest.fixture
 def cache(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -130,3 +136,20 @@ def _build_elsewhere(tmp_path: Path, answer: int, cache_of: Path | None = None) 
                            "print(native_build.load_library(Path(sys.argv[1]))._name)", str(source(tmp_path, answer))],
                           check=True, env=env, capture_output=True, text=True).stdout.strip()
     return Path(path)
+
+
+def test_every_cache_of_symphony_is_under_one_root(tmp_path, monkeypatch):
+    """$SYMPHONY_CACHE moved only the compiled components, and $XDG_CACHE_HOME moved only the
+    native library and the built-in LIPs: one root now, for all three."""
+    from symphony_os import builtin_lips, compile_cache
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert native_build.cache_root() == tmp_path / "home" / ".cache" / "symphony"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert native_build.cache_root() == tmp_path / "xdg" / "symphony"
+    monkeypatch.setenv("SYMPHONY_CACHE", str(tmp_path / "mine"))
+    root = tmp_path / "mine"
+    assert native_build.cache_dir() == root / "native"
+    assert compile_cache.default_cache_dir() == root / "components"
+    assert builtin_lips.cache_dir().parent == root
