@@ -32,7 +32,6 @@ from .native_build import cache_root
 log = logging.getLogger("symphony.compile_cache")
 
 
-
 def default_cache_dir() -> Path | None:
     """Compiled components' place in the user's Symphony cache (native_build.cache_root), or
     None (no cache) where the user has none: no home directory and no cache variable."""
