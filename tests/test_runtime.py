@@ -509,8 +509,8 @@ def test_distribution_lands_in_memory_the_guest_grew(tiny_engine):
 
 
 def test_a_closed_runtime_says_so_instead_of_starting_again(tiny_engine):
-    """Its threads run once: a spawn after close() failed with "threads can only be started
-    once", naming no runtime, or (drive in caller) queued a process nothing would run."""
+    """Its threads run once: a start() or spawn() after close() failed with "threads can only
+    be started once", which names neither the runtime nor what to do."""
     for drive_in_caller in (False, True):
         runtime = Runtime(tiny_engine, drive_in_caller=drive_in_caller)
         with runtime:
