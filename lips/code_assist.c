@@ -110,7 +110,6 @@ static void open_doc(const char *name, const char *text) {
         check(sym_kv_close(check(sym_kv_open(marker_of(name, ids, n - 1), SYM_KV_CREATE), "kv_open")), "kv_close");
     }
     d->known = n - 1;
-    have = keep;
     /* Suggestions were for the old text. */
     close_previous(d);
     if (d->suggestion > 0) sym_kv_close(d->suggestion);
@@ -118,7 +117,7 @@ static void open_doc(const char *name, const char *text) {
     d->text->n = 0;
     text_push(d->text, ids, n);
     char count[32];
-    snprintf(count, sizeof count, "%d", n - 1 - have);
+    snprintf(count, sizeof count, "%d", n - 1 - keep);
     respond("opened %s: %s tokens prefilled\n", name, count);
 }
 

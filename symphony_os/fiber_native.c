@@ -30,7 +30,8 @@ typedef struct { /* wasmtime_async_continuation_t */
     void (*finalizer)(void *env);
 } sym_continuation;
 
-/* One per fiber, owned by fiber.py's Fiber; the offsets are mirrored there (_SLOT). */
+/* One per fiber, owned by fiber.py's Fiber; its word indices (_FUTURE ... _ANSWERED) and
+   _ARGS_OFFSET mirror this layout, checked at import through the two functions below. */
 typedef struct {
     void *future;          /* the call's wasmtime_call_future_t */
     void *context;         /* its store's context, for a fresh time slice */

@@ -25,7 +25,6 @@ from pathlib import Path
 # AVX, say), and a cache may outlive the machine it was built on.
 FLAGS = ("-O2", "-shared", "-fPIC", "-nostdlib", "-mcpu=baseline")
 
-
 # zig's clang, isolated (`-I`): no `ziglang` module in the working directory or on PYTHONPATH
 # stands in for it. builtin_lips.py compiles with it too.
 ZIG_CC = (sys.executable, "-I", "-m", "ziglang", "cc")

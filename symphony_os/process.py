@@ -60,18 +60,17 @@ class Process:
     POLLS_TO_RESUME = 1  # polls that run the guest on after its blocking call is answered
 
     def __init__(self, program: Program, args: list[str], env: dict[str, str], engine, kv_session,
-                 linker: AsyncLinker, limits: ProcessLimits,
+                 linker: AsyncLinker, limits: ProcessLimits, *, timers: Timers,
                  on_output: Callable[[bytes], None] | None = None,
                  on_log: Callable[[str], None] | None = None,
-                 on_exit: Callable[["Process"], None] | None = None, tools: ToolRegistry | None = None,
-                 timers: Timers | None = None):
+                 on_exit: Callable[["Process"], None] | None = None, tools: ToolRegistry | None = None):
         self.pid = next(_pids)
         self.program = program
         self.args = list(args)
         self.engine = engine
         self.kv = kv_session
         self.tools = tools if tools is not None else ToolRegistry()  # what the `tool` call may reach
-        self.timers = timers if timers is not None else Timers()  # what a sleep waits on
+        self.timers = timers  # what a sleep waits on: the runtime's (one thread for all its processes)
         self.limits = limits
         self.state = ProcessState.RUNNABLE
         self.exit_code: int | None = None
