@@ -187,6 +187,7 @@ class Engine:
             for chunk in plan.chunks:
                 request, file = chunk.request, chunk.request.file
                 try:
+                    from_file = False  # positions taken from the file just now: reserve_slots checks none
                     if request.length_before is None:
                         request.length_before = file.length
                         request.started_at = now
@@ -194,9 +195,10 @@ class Engine:
                             start = file.next_position
                             n = len(request.tokens)
                             request.positions = [start] if n == 1 else list(range(start, start + n))
+                            from_file = start >= 0  # (a file merged at negative positions is checked)
                     whole = chunk.count == len(request.tokens)  # no slices to make
                     positions = request.positions if whole else request.positions[chunk.start:chunk.start + chunk.count]
-                    slots = kvfs.reserve_slots(file, positions, clock)
+                    slots = kvfs.reserve_slots(file, positions, clock, from_file)
                 except PoolExhausted as error:
                     short.append((request, None, error))
                     continue  # others in this batch hold the memory: try again next batch
@@ -211,7 +213,7 @@ class Engine:
                     # The file's own page list, not a copy: no one else changes the pages of a
                     # file with a pred in flight (truncate refuses it, eviction and swapping skip
                     # it while protected), and the batch's one chunk per file appended already.
-                    slots=slots, page_table=kvfs.page_table(file), context_len=file.length,
+                    slots=slots, page_table=file.pages, context_len=file.length,  # resident: reserved just now
                     wants_logits=chunk.is_last and not each, greedy_each=each,
                 ))
         if short and not runnable:  # none runs, so nothing frees pages for a next try: they fail
@@ -262,9 +264,13 @@ class Engine:
         with self._queue_mutex:
             self.scheduler.remove_all([request for request, _, _ in outcomes])
         kvfs = self.kvfs
+        started, waited = 0, 0.0
         with kvfs.lock:
             now = kvfs.clock()
             for request, _, error in outcomes:
+                if request.started_at is not None:
+                    started += 1
+                    waited += request.started_at - request.submitted_at
                 file = request.file
                 if error is not None:
                     file.failed_preds += 1
@@ -273,15 +279,11 @@ class Engine:
                         kvfs.shrink(file, request.length_before)
                 file.inflight -= 1
                 kvfs.release(file, now)
-        counters = self._counters
+        counters = self._counters  # counted before the futures are answered: a waiter may read them
+        counters["requests"] += started
+        counters["queue_wait_s"] += waited
         for request, result, error in outcomes:
-            if request.started_at is not None:
-                counters["requests"] += 1
-                counters["queue_wait_s"] += request.started_at - request.submitted_at
-            if error is not None:
-                request.future.set_exception(error)
-            else:
-                request.future.set_result(result)
+            request.future.settle(result, error)
 
     def run_until_idle(self) -> None:
         while self.step():

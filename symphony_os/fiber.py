@@ -571,7 +571,6 @@ class Fiber:
         fiber_native.c), here on the polling thread's stack. True if it was answered at once
         (results or trap written): the next poll runs the guest on. Never raises."""
         fields = self._fields
-        fields[_CALLED] = 0
         function, call = _FUNCTIONS.get(fields[_FUNCTION]), None
         try:
             call = HostCall(fields[_CALLER], self)

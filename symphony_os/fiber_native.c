@@ -35,7 +35,7 @@ typedef struct { /* wasmtime_async_continuation_t */
 typedef struct {
     void *future;          /* the call's wasmtime_call_future_t */
     void *context;         /* its store's context, for a fresh time slice */
-    uint64_t called;       /* 1 once the guest made a blocking call not yet taken by Python */
+    uint64_t called;       /* 1 once the guest made a blocking call in this poll */
     uint64_t function;     /* the called host function's key (its env) */
     void *caller;          /* the wasmtime_caller_t, alive while the guest waits in the call */
     void *results;         /* where the call's results go (wasmtime_val_t[]) */
@@ -102,6 +102,7 @@ int sym_fiber_poll(sym_fiber_slot *slot, uint64_t time_slice_ticks) {
         set_epoch_deadline(slot->context, time_slice_ticks);
     sym_fiber_slot *outer = polled;
     polled = slot;
+    slot->called = 0;
     bool finished = future_poll(slot->future);
     polled = outer;
     return finished ? 1 : (slot->called ? 2 : 0);

@@ -279,7 +279,8 @@ class HostCalls:
         limits = self.process.limits
         if len(self.tickets) >= limits.preds_in_flight:
             raise LimitExceeded(f"at most {limits.preds_in_flight} preds in flight per process")
-        check_kv_pages(self.process, kv, len(tokens))
+        if limits.kv_pages is not None:  # (no call without the limit: once per pred)
+            check_kv_pages(self.process, kv, len(tokens))
         if isinstance(want, Distribution):
             self._check_distribution_bytes()
         request = self.engine.submit_request(self.kv, kv, tokens, positions, want)
@@ -292,7 +293,7 @@ class HostCalls:
         preds in flight (their results wait on the host) and a component's live resources."""
         limit = self.process.limits.distribution_bytes
         one = 4 * self.engine.loaded.config.vocab_size  # float32 per token
-        in_flight = sum(isinstance(ticket.want, Distribution) for ticket in self.tickets.values())
+        in_flight = sum(isinstance(ticket.want, Distribution) for ticket in self.tickets.values()) if self.tickets else 0
         held = in_flight * one + self.host_distribution_bytes()
         if held + one > limit:
             raise LimitExceeded(f"distribution memory limit per process: {held} of {limit} bytes held, "

@@ -312,24 +312,28 @@ class KVFS:
         """The files some protect() block holds now (under the lock)."""
         return set().union(*self._protected)
 
-    def reserve_slots(self, file: KvFile, positions: list[int], now: float | None = None) -> list[int]:
+    def reserve_slots(self, file: KvFile, positions: list[int], now: float | None = None,
+                      from_file: bool = False) -> list[int]:
         """Make room for `len(positions)` new tokens at the end of `file` and return their flat
         slot indices (`page * page_size + offset`). Copies a shared, partly filled last page
         first (copy-on-write). The tokens count as part of the file from now on. `now`: the
-        clock, when the caller read it already (a batch reserves for many files)."""
+        clock, when the caller read it already (a batch reserves for many files). `from_file`:
+        the caller took the positions from `file.next_position` under this lock just now, so
+        they need no checking (a pred that continues its file: most decode steps)."""
         n = len(positions)
         if n == 0:
             raise InvalidArgument("pred needs at least one token")
         first = positions[0]
-        if file.length > 0:
-            expected = file.next_position
-            if first != expected:
-                raise PositionError(f"positions must continue the file: expected {expected}, got {first}")
-        if n > 1 and positions != list(range(first, first + n)):
-            a, b = next((a, b) for a, b in zip(positions, positions[1:]) if b != a + 1)
-            raise PositionError(f"positions must increase by one: {a} then {b}")
-        if first < 0:
-            raise PositionError(f"positions must be non-negative, got {first}")
+        if not from_file:
+            if file.length > 0:
+                expected = file.next_position
+                if first != expected:
+                    raise PositionError(f"positions must continue the file: expected {expected}, got {first}")
+            if n > 1 and positions != list(range(first, first + n)):
+                a, b = next((a, b) for a, b in zip(positions, positions[1:]) if b != a + 1)
+                raise PositionError(f"positions must increase by one: {a} then {b}")
+            if first < 0:
+                raise PositionError(f"positions must be non-negative, got {first}")
         slots = self._grow(file, n, now)
         if file.length == n:
             file.runs = [(0, positions[0])]
@@ -659,7 +663,8 @@ class KvSession:
             if not entry.writable:
                 raise ReadOnlyFile(f"KV handle {handle} is read-only; fork it to write")
             file = entry.file
-            self.fs.acquire(file)
+            file.refs += 1  # KVFS.acquire, inline: once per pred
+            file.last_used = self.fs.clock()
             file.inflight += 1
             return file
 

@@ -31,7 +31,9 @@ class PredFuture:
     def done(self) -> bool:
         return self._done
 
-    def _settle(self, result: Any, error: BaseException | None) -> None:
+    def settle(self, result: Any, error: BaseException | None) -> None:
+        """Answer with `error` if it is not None, else with `result` (for a producer holding
+        either: one call fewer per request than choosing between the two below)."""
         if self._done:
             raise RuntimeError("this pred was already answered")
         self._result, self._error = result, error
@@ -51,10 +53,10 @@ class PredFuture:
             callback(self)
 
     def set_result(self, result: Any) -> None:
-        self._settle(result, None)
+        self.settle(result, None)
 
     def set_exception(self, error: BaseException) -> None:
-        self._settle(None, error)
+        self.settle(None, error)
 
     def add_done_callback(self, callback: Callable[["PredFuture"], None]) -> None:
         """Run `callback(self)` once answered: on the answering thread, or at once, here, if it
@@ -71,7 +73,7 @@ class PredFuture:
                 if self._event is None:
                     self._event = threading.Event()
                 event = self._event
-            # _settle marks the future done before it reads _event; here _event is set before
+            # settle marks the future done before it reads _event; here _event is set before
             # `done` is read: one of the two sees the other's write.
             if not self._done and not event.wait(timeout):
                 raise TimeoutError("the pred was not answered in time")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -56,7 +57,7 @@ class Process:
                  "end_reason", "log", "_on_output", "_on_log", "_on_exit", "_inbox", "_inbox_bytes", "_inbox_lock",
                  "_input_closed", "_kill_reason", "ended", "cpu_time_s", "usage", "hostcalls", "store",
                  "_time_slice_ticks", "_fiber", "_fresh", "_instantiating", "_memory", "memory", "_blocked", "wake",
-                 "_woken_by_pred", "monotonic_origin", "__weakref__")
+                 "_woken_by_pred", "monotonic_origin", "_cpu_time_limit", "__weakref__")
     POLLS_TO_RESUME = 1  # polls that run the guest on after its blocking call is answered
 
     def __init__(self, program: Program, args: list[str], env: dict[str, str], engine, kv_session,
@@ -87,6 +88,8 @@ class Process:
         self.ended = threading.Event()
         self.cpu_time_s = 0.0  # thread CPU time spent advancing this process (guest code and host calls)
         self.usage = Usage(limits)
+        # Checked on every advance: a float compare, not a call (limits.Usage.over_time says why).
+        self._cpu_time_limit = math.inf if limits.cpu_time_s is None else limits.cpu_time_s
         self.hostcalls = HostCalls(self)
         self.store = wasmtime.Store(linker.engine)
         self.store.set_wasi(self._wasi_config(program, self.args, env))
@@ -193,7 +196,7 @@ class Process:
         """The result of a blocking call whose wait is over: `block.finish`, or, if that raises,
         `block.failed` of its error code (an unexpected exception is logged, INTERNAL)."""
         try:
-            return block.finish(self.memory_for(call), *block.args)
+            return block.finish(self.memory if self.memory is not None else self.memory_for(call), *block.args)
         except SymphonyError as error:
             return block.failed(error.code)
         except Exception:
@@ -213,63 +216,61 @@ class Process:
         """Run the guest until it blocks, yields or ends. Returns "waiting" (blocked, or not
         ready yet), "preempted" (its time slice ended: still runnable), "continue" (it will
         run on at once: instantiation done) or "ended". The worker adds the CPU time it took
-        to `cpu_time_s`."""
-        try:
-            return self._advance()
+        to `cpu_time_s`; past its limit the process ends here (past its wall time, the
+        watchdog kills it: limits.Watchdog)."""
+        try:  # the body inline (no call): it runs for every process in every round
+            if self.exit_code is not None:  # finished
+                return "ended"
+            if self._kill_reason is None and self.cpu_time_s > self._cpu_time_limit:
+                self._kill_reason = self.usage.over_time(self.cpu_time_s)
+            if self._kill_reason is not None:
+                self._end(ProcessState.KILLED, EXIT_KILLED, self._kill_reason)
+                return "ended"
+            resumed, ticks = False, 0
+            if self._blocked is not None:
+                block, pending, call = self._blocked
+                if not (block.future.done() if block.future is not None else self.input_ready()):
+                    return "waiting"
+                self._blocked = None
+                pending.complete((self.finish_block(block, call),))
+                self.state = _RUNNABLE
+                resumed, ticks = True, self._time_slice_ticks  # its old deadline passed while it waited
+            fiber = self._fiber
+            if self._fresh:  # the slice set at spawn (or by the instantiation) ran out in the rounds since
+                self._fresh = False
+                ticks = self._time_slice_ticks
+            finished = fiber.poll(ticks)  # True at once for a fiber that is done
+            if not finished and resumed and self._blocked is None and self.POLLS_TO_RESUME == 2:
+                # A component's first poll after a blocking call only finishes that call (measured);
+                # the second runs the guest on. A core module's first poll runs on at once (a
+                # second would give it two time slices while the next batch waits for it).
+                finished = fiber.poll()
+            if not finished:
+                # Blocked, or out of its time slice (instantiation too: a start function that
+                # computes holds no batch back, or every process's preds waited for it to end).
+                return "waiting" if self._blocked is not None else "preempted"
+            if self._kill_reason is not None:  # asked for while it ran (past its output limit, say)
+                self._end(ProcessState.KILLED, EXIT_KILLED, self._kill_reason)
+            elif fiber.exit_code is not None:
+                self._end(ProcessState.EXITED, fiber.exit_code, f"exit {fiber.exit_code}")
+            elif fiber.trap is not None:
+                memory_bytes = self._memory.data_len(self.store) if self._memory is not None else None
+                reason = trap_reason(fiber, self.limits, memory_bytes, self._instantiating)
+                self._end(ProcessState.KILLED, EXIT_KILLED if reason.startswith("killed:") else EXIT_TRAPPED, reason)
+            elif self._instantiating:
+                self._instantiating = False
+                self._fiber = self._main_fiber(fiber.result[0])
+                self._fresh = True
+                return "continue"
+            else:
+                code = int(fiber.result[0]) if fiber.result else 0  # a component's run() returns it
+                self._end(ProcessState.EXITED, code, f"exit {code}")
+            return "ended"
         except Exception as error:  # a host bug this guest reached: it ends, the worker goes on
             log.exception("pid %s: internal error while advancing", self.pid)
             if not self.finished:
                 self._end(ProcessState.KILLED, EXIT_TRAPPED, f"internal error: {type(error).__name__}: {error}")
             return "ended"
-
-    def _advance(self) -> str:
-        if self.finished:
-            return "ended"
-        if self._kill_reason is None:
-            self._kill_reason = self.usage.over_time(self.cpu_time_s)
-        if self._kill_reason is not None:
-            self._end(ProcessState.KILLED, EXIT_KILLED, self._kill_reason)
-            return "ended"
-        resumed, ticks = False, 0
-        if self._blocked is not None:
-            block, pending, call = self._blocked
-            if not (block.future.done() if block.future is not None else self.input_ready()):
-                return "waiting"
-            self._blocked = None
-            pending.complete((self.finish_block(block, call),))
-            self.state = _RUNNABLE
-            resumed, ticks = True, self._time_slice_ticks  # its old deadline passed while it waited
-        fiber = self._fiber
-        if self._fresh:  # the slice set at spawn (or by the instantiation) ran out in the rounds since
-            self._fresh = False
-            ticks = self._time_slice_ticks
-        finished = fiber.poll(ticks)  # True at once for a fiber that is done
-        if not finished and resumed and self._blocked is None and self.POLLS_TO_RESUME == 2:
-            # A component's first poll after a blocking call only finishes that call (measured);
-            # the second runs the guest on. A core module's first poll runs on at once (a
-            # second would give it two time slices while the next batch waits for it).
-            finished = fiber.poll()
-        if not finished:
-            # Blocked, or out of its time slice (instantiation too: a start function that
-            # computes holds no batch back, or every process's preds waited for it to end).
-            return "waiting" if self._blocked is not None else "preempted"
-        if self._kill_reason is not None:  # asked for while it ran (past its output limit, say)
-            self._end(ProcessState.KILLED, EXIT_KILLED, self._kill_reason)
-        elif fiber.exit_code is not None:
-            self._end(ProcessState.EXITED, fiber.exit_code, f"exit {fiber.exit_code}")
-        elif fiber.trap is not None:
-            memory_bytes = self._memory.data_len(self.store) if self._memory is not None else None
-            reason = trap_reason(fiber, self.limits, memory_bytes, self._instantiating)
-            self._end(ProcessState.KILLED, EXIT_KILLED if reason.startswith("killed:") else EXIT_TRAPPED, reason)
-        elif self._instantiating:
-            self._instantiating = False
-            self._fiber = self._main_fiber(fiber.result[0])
-            self._fresh = True
-            return "continue"
-        else:
-            code = int(fiber.result[0]) if fiber.result else 0  # a component's run() returns it
-            self._end(ProcessState.EXITED, code, f"exit {code}")
-        return "ended"
 
     def _wasi_config(self, program: Program, args: list[str], env: dict[str, str]) -> wasmtime.WasiConfig:
         wasi = wasmtime.WasiConfig()

@@ -27,6 +27,7 @@ from .program import Program, load_program, load_program_file
 from .timers import Timers
 from .tools import ToolRegistry, default_tools
 
+_get_ident = threading.get_ident
 BLOCKING_CALLS = ("pred_wait", "pred", "recv", "poll_oneoff")  # may return a Block: a fiber waits
 EPOCH_INTERVAL_S = 0.01  # one epoch tick: a guest's time slice is a multiple of this
 
@@ -71,7 +72,7 @@ class Worker:
         """Queue `process` for this worker's next round (any thread). Wake-ups from the batch
         driver (completed preds) are only queued: the driver starts the next round once it has
         delivered all of them, so one round takes every process the batch released."""
-        driving = self.driver.is_driving()
+        driving = _get_ident() == self.driver.driving_thread  # the driver's own wake-ups are deferred
         with self._lock:
             queued = self._ready.get(process)  # None, or whether it was queued as preempted
             if queued is None or (queued and not preempted):
@@ -126,14 +127,18 @@ class Worker:
             release_at = next(i for i, (_, preempted) in enumerate(batch) if preempted)
         else:
             release_at = None
+        started = clock()
         for index, (process, _) in enumerate(batch):
             if index == release_at:
                 with self._lock:
                     self._round_urgent = False
                 self.driver.round_done()
-            started = clock()
             outcome = process.advance()
-            walls.append(clock() - started)
+            now = clock()  # one read per process: its end is the next one's start
+            walls.append(now - started)
+            started = now
+            if outcome == "waiting":  # the common case first
+                continue
             if outcome == "preempted":
                 self.wake(process, preempted=True)
             elif outcome == "continue":
@@ -166,13 +171,9 @@ class BatchDriver:
         self.workers: list[Worker] = []
         self._cond = threading.Condition()
         self._stopping = False
-        self.driving_thread: int | None = None  # the ident of the thread running batches
+        self.driving_thread: int | None = None  # the ident of the thread running batches (Worker.wake)
         self.thread = threading.Thread(target=self.run, name="symphony-batch-driver", daemon=True) \
             if own_thread else None
-
-    def is_driving(self) -> bool:
-        """Is the calling thread the one running batches (so its wake-ups are deferred)?"""
-        return threading.get_ident() == self.driving_thread
 
     def round_done(self) -> None:
         with self._cond:
@@ -237,7 +238,8 @@ def _handler(name: str, blocking: bool):
     def handle(call, args):
         process: Process = call.fiber.owner
         hostcalls = process.hostcalls
-        outcome = hostcalls.dispatch(name, failed, method, hostcalls, process.memory_for(call), *args)
+        memory = process.memory if process.memory is not None else process.memory_for(call)  # (no call, mostly)
+        outcome = hostcalls.dispatch(name, failed, method, hostcalls, memory, *args)
         if isinstance(outcome, Block):
             return process.block_on(outcome, call)
         return Ready((outcome,)) if blocking else (outcome,)
