@@ -104,7 +104,10 @@ class HostCalls:
         exception (a host bug, a broken tool) becomes INTERNAL, its traceback logged once per
         process and call: a guest calling it in a loop must not flood the server's log."""
         try:
-            self.process.usage.charge_hostcall()
+            usage = self.process.usage  # usage.charge_hostcall(), inline: on every host call
+            usage.hostcalls += 1
+            if usage.hostcalls >= usage.check_at:
+                usage.check_rate()
             return run(*args)
         except SymphonyError as error:
             self._error_code(error)
@@ -395,10 +398,11 @@ class HostCalls:
                 if into is not None:
                     want = Distribution(into=into, keep=self.process.store)
                     self._distribution_into = (out_ptr, want)
+        # The room for the answer was checked above: `_answer` writes it whole (never None).
         future = self._queue(kv, tokens, positions, want).future
         if future.done():
-            return _finish_pred(mem, self, future, want, out_ptr, cap)
-        return Block("blocked-on-pred", future, _finish_pred, int, (self, future, want, out_ptr, cap))
+            return self._answer(mem, future, want, out_ptr, cap)
+        return Block("blocked-on-pred", future, self._answer, int, (future, want, out_ptr, cap))
 
     # ---- I/O ----
 
@@ -555,12 +559,6 @@ def wasi_failure(_code: ErrorCode) -> int:
     """What a WASI function of ours answers when the host refuses or fails it (the rate limit,
     a host bug): EIO, a WASI errno, where our own calls answer a negative code."""
     return WASI_EIO
-
-
-def _finish_pred(mem: GuestMemory, calls: HostCalls, future: PredFuture, want: Want, out_ptr: int, cap: int) -> int:
-    """The blocking pred's result once answered (its room was checked when it was queued)."""
-    answer = calls._answer(mem, future, want, out_ptr, cap)
-    return int(ErrorCode.BUFFER_TOO_SMALL) if answer is None else answer
 
 
 CALLS = ("vocab_size", "eos_ids", "bos_id", "model_name", "tokenize", "detokenize", "kv_create", "kv_open",

@@ -67,7 +67,7 @@ class Usage:
     """What one process has used of its limits so far. Touched by the process's worker thread,
     except `check_deadlines`, which the watchdog calls."""
 
-    __slots__ = ("limits", "started", "output_bytes", "hostcalls", "_window_start", "_check_at", "_check_every")
+    __slots__ = ("limits", "started", "output_bytes", "hostcalls", "_window_start", "check_at", "_check_every")
 
     def __init__(self, limits: ProcessLimits):
         self.limits = limits
@@ -81,23 +81,27 @@ class Usage:
         # one's add up at once). As with any fixed window, a second spanning the end of one
         # window and the start of the next may see up to twice the rate.
         self._check_every = max(1, limits.hostcalls_per_s // 16)
-        self._check_at = self._check_every
+        self.check_at = self._check_every  # hostcalls at which check_rate runs next
 
     def charge_hostcall(self) -> None:
         """Count one host call; raise LimitExceeded past the per-second rate. The common path
-        is one addition and one comparison."""
+        is one addition and one comparison, which the one hot caller (HostCalls.dispatch, on
+        every host call) makes itself, calling `check_rate` only when it holds."""
         self.hostcalls += 1
-        if self.hostcalls < self._check_at:
-            return
+        if self.hostcalls >= self.check_at:
+            self.check_rate()
+
+    def check_rate(self) -> None:
+        """The rest of `charge_hostcall`, once `hostcalls` reached `check_at`."""
         now = time.monotonic()
         limit = self.limits.hostcalls_per_s
         if now - self._window_start >= 1.0:
-            self._window_start, self.hostcalls, self._check_at = now, 1, self._check_every
+            self._window_start, self.hostcalls, self.check_at = now, 1, self._check_every
             if limit >= 1:
                 return
         if self.hostcalls > limit:
             raise LimitExceeded(f"host-call rate limit {limit}/s exceeded")
-        self._check_at = min(self.hostcalls + self._check_every, limit + 1)
+        self.check_at = min(self.hostcalls + self._check_every, limit + 1)
 
     def charge_output(self, nbytes: int) -> str | None:
         """Count output bytes; the kill reason once the total passes the limit, else None."""

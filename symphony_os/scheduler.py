@@ -96,7 +96,7 @@ class BatchScheduler:
             if budget == 0 or room == 0:
                 break
             file_id = request.file.file_id
-            if request.remaining != 1:
+            if len(request.tokens) - request.done != 1:  # request.remaining, inline: once per request
                 prefill_owners[request.file.owner] = None
                 skipped_files.add(file_id)
             elif file_id in busy_files or file_id in skipped_files:
