@@ -107,3 +107,29 @@ int sym_fiber_poll(sym_fiber_slot *slot, uint64_t time_slice_ticks) {
     polled = outer;
     return finished ? 1 : (slot->called ? 2 : 0);
 }
+
+/* The epoch ticker: increments `engine`'s epoch every `interval_ns` until `*stop` is set. It
+ * runs on a thread of its own, entered through ctypes (which releases the GIL for the call), so
+ * a tick needs no interpreter: a tick in Python waited for the GIL, and made the thread holding
+ * it wait in turn (fiber.py's EpochTicker has the measurements). The
+ * engine is a clone owned by the caller, which deletes it once this returns; a process that
+ * exits with the ticker running leaks it rather than free it under the loop. `nanosleep` is
+ * the C library's, passed in (this file is built without one). */
+typedef struct { int64_t seconds; int64_t nanoseconds; } sym_timespec; /* struct timespec, LP64 */
+typedef int (*nanosleep_fn)(const sym_timespec *request, sym_timespec *remaining);
+typedef void (*increment_epoch_fn)(void *engine);
+
+void sym_ticker_run(void *engine, void *increment_epoch, void *nanosleep, const volatile uint32_t *stop,
+                    uint64_t interval_ns) {
+    /* An interval is slept in parts of at most 10 ms, so that a stop waits no longer than that. */
+    uint64_t parts = (interval_ns + 9999999u) / 10000000u;
+    uint64_t part_ns = interval_ns / (parts ? parts : 1);
+    sym_timespec part = {(int64_t)(part_ns / 1000000000u), (int64_t)(part_ns % 1000000000u)};
+    while (!*stop) {
+        for (uint64_t i = 0; i < parts && !*stop; i++)
+            ((nanosleep_fn)nanosleep)(&part, 0); /* a signal may end a part early: a tick early */
+        if (*stop)
+            break;
+        ((increment_epoch_fn)increment_epoch)(engine);
+    }
+}

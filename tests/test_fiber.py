@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import ctypes
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -137,6 +139,44 @@ def test_epoch_preemption_lets_other_guests_finish():
     assert spinner_yields >= 1 and not spinner.done
     spinner.close()
     assert spinner.trap == "closed before it finished"
+
+
+# A guest spinning forever, polled through a ctypes call that keeps the GIL (PyDLL): it yields
+# only if the epoch ticks while this thread holds the GIL.
+TICKS_WITHOUT_THE_GIL = """
+import ctypes, wasmtime
+from symphony_os import fiber
+engine = fiber.make_async_engine()
+store = wasmtime.Store(engine)
+fiber.set_time_slice(store, 1)
+module = wasmtime.Module(engine, '(module (func (export "spin") (loop (br 0))))')
+instance = fiber.AsyncLinker(engine).instantiate(store, module)
+spinner = fiber.Fiber(store, instance.exports(store)["spin"])
+keeps_gil = ctypes.PyDLL(fiber._native._name, handle=fiber._native._handle).sym_fiber_poll
+keeps_gil.restype, keeps_gil.argtypes = fiber._fiber_poll.restype, fiber._fiber_poll.argtypes
+fiber._fiber_poll = keeps_gil
+with fiber.EpochTicker(engine, interval_s=0.002):
+    print("yielded" if spinner.poll() is False else "finished?")
+spinner.close()
+"""
+
+
+def test_the_epoch_ticks_while_the_polling_thread_holds_the_gil():
+    """The ticks come from a thread that never takes the GIL: a tick that needed it (the old
+    ticker, in Python) waited for a thread polling a guest, and here would wait forever."""
+    done = subprocess.run([sys.executable, "-c", TICKS_WITHOUT_THE_GIL], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "yielded"
+
+
+def test_a_ticker_stops_without_waiting_out_its_interval():
+    engine = make_async_engine()
+    ticker = EpochTicker(engine, interval_s=3600).start()
+    stopper = threading.Thread(target=ticker.stop)
+    stopper.start()
+    stopper.join(timeout=60)  # an interval is slept in parts of 10 ms
+    assert not stopper.is_alive()
 
 
 def test_handler_exception_becomes_trap_and_host_survives():
