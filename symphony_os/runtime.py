@@ -276,7 +276,11 @@ class Runtime:
         self.driver.workers = self.workers
         self.processes: dict[int, Process] = {}
         self._ticker = EpochTicker(self.wasm_engine, EPOCH_INTERVAL_S)
+        # Started with the first process that has a wall-time limit: a thread taking the GIL ten
+        # times a second costs the thread running guests its share of waiting (see EpochTicker).
         self._watchdog = Watchdog(lambda: self.processes.values())
+        self._watchdog_started = False
+        self._watchdog_lock = threading.Lock()
         self._started = False
         self._closed = False  # its threads run once: a closed runtime cannot start again
         self._next_worker = 0
@@ -289,7 +293,6 @@ class Runtime:
             self._started = True
             tune_gc(collect_all=self.driver.thread is not None)  # one-thread: `symphony run`
             self._ticker.start()
-            self._watchdog.start()
             for worker in self.workers:
                 if worker.thread is not None:
                     worker.thread.start()
@@ -318,7 +321,8 @@ class Runtime:
             if self.driver.thread is not None:
                 self.driver.thread.join()
             self._ticker.stop()
-            self._watchdog.stop()
+            if self._watchdog_started:
+                self._watchdog.stop()
             self.timers.stop()
             self._started = False
             untune_gc()
@@ -345,6 +349,11 @@ class Runtime:
         if (limits.fuel is None) != (self.limits.fuel is None) or limits.wasm_stack_bytes != self.limits.wasm_stack_bytes:
             raise ValueError("fuel on/off and wasm_stack_bytes are the runtime's: set them in Runtime(limits=...)")
         self.start()
+        if limits.wall_time_s is not None and not self._watchdog_started:
+            with self._watchdog_lock:  # (spawn may be called from any thread)
+                if not self._watchdog_started:
+                    self._watchdog_started = True
+                    self._watchdog.start()
         session = self.engine.kvfs.session(tenant, max_handles=limits.kv_handles)
         kind, linker = (ComponentProcess, self._component_linker()) if program.is_component else (Process, self.linker)
         process = kind(program, list(args), dict(env or {}), self.engine, session, linker, limits,

@@ -5,6 +5,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from guests import ECHO, lip, wat
 from symphony_os import engine as engine_module
 from symphony_os.cli import main
 from symphony_os.engine import Engine
+from symphony_os.limits import ProcessLimits
 from symphony_os.process import EXIT_KILLED, EXIT_TRAPPED, ProcessState
 from symphony_os.program import ProgramError
 from symphony_os.runtime import Runtime
@@ -520,3 +522,22 @@ def test_a_closed_runtime_says_so_instead_of_starting_again(tiny_engine):
             with pytest.raises(RuntimeError, match="Runtime was closed; make a new one"):
                 again()
         assert not runtime.processes  # nothing queued that would never run
+
+
+def test_the_wall_time_watchdog_runs_only_once_a_process_has_a_wall_time_limit(tiny_engine):
+    """A thread that takes the GIL ten times a second makes the thread running guests wait:
+    it starts with the first process that has a wall-time limit, and that process is killed."""
+    def watchdogs():
+        return [t for t in threading.enumerate() if t.name == "symphony-watchdog"]
+
+    before = len(watchdogs())
+    with Runtime(tiny_engine, drive_in_caller=True) as runtime:
+        quick = runtime.load(wat('(module (memory (export "memory") 1) (func (export "_start")))'))
+        assert runtime.wait(runtime.spawn(quick), 30) == 0
+        assert len(watchdogs()) == before
+        spin = runtime.load(wat('(module (memory (export "memory") 1) (func (export "_start") (loop (br 0))))'))
+        proc = runtime.spawn(spin, limits=ProcessLimits(wall_time_s=0.3))
+        assert len(watchdogs()) == before + 1
+        assert runtime.wait(proc, 60) == EXIT_KILLED
+        assert proc.end_reason == "killed: wall time limit 0.3s exceeded"
+    assert len(watchdogs()) == before
