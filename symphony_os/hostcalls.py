@@ -296,7 +296,8 @@ class HostCalls:
         preds in flight (their results wait on the host) and a component's live resources."""
         limit = self.process.limits.distribution_bytes
         one = 4 * self.engine.loaded.config.vocab_size  # float32 per token
-        in_flight = sum(isinstance(ticket.want, Distribution) for ticket in self.tickets.values()) if self.tickets else 0
+        tickets = self.tickets  # (none, for a blocking pred: no generator to run)
+        in_flight = sum(isinstance(ticket.want, Distribution) for ticket in tickets.values()) if tickets else 0
         held = in_flight * one + self.host_distribution_bytes()
         if held + one > limit:
             raise LimitExceeded(f"distribution memory limit per process: {held} of {limit} bytes held, "

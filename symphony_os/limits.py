@@ -65,7 +65,7 @@ def _mib(value: int) -> str:
 
 class Usage:
     """What one process has used of its limits so far. Touched by the process's worker thread,
-    except `check_deadlines`, which the watchdog calls."""
+    except `over_time`, which the watchdog calls too."""
 
     __slots__ = ("limits", "started", "output_bytes", "hostcalls", "_window_start", "check_at", "_check_every")
 

@@ -88,7 +88,7 @@ class Process:
         self.ended = threading.Event()
         self.cpu_time_s = 0.0  # thread CPU time spent advancing this process (guest code and host calls)
         self.usage = Usage(limits)
-        # Checked on every advance: a float compare, not a call (limits.Usage.over_time says why).
+        # Compared on every advance; Usage.over_time (a call) runs only past it.
         self._cpu_time_limit = math.inf if limits.cpu_time_s is None else limits.cpu_time_s
         self.hostcalls = HostCalls(self)
         self.store = wasmtime.Store(linker.engine)
