@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from symphony_os.client import AsyncClient  # noqa: E402
+from symphony_os.native_build import ZIG_CC  # noqa: E402
 from symphony_os.tools import calculator  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -537,7 +538,7 @@ class Server:
 
 
 def build_lips() -> None:
-    zig = [sys.executable, "-m", "ziglang", "cc", "--target=wasm32-wasi", "-O2", "-s",
+    zig = [*ZIG_CC, "--target=wasm32-wasi", "-O2", "-s",
            "-I", str(ROOT / "guest_sdk" / "c")]
     for name in LIP_NAMES:
         source, wasm = LIPS / f"{name}.c", LIPS / f"{name}.wasm"

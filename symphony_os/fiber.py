@@ -144,35 +144,6 @@ def set_time_slice(store: wasmtime.Store, epoch_ticks: int) -> None:
     _epoch_deadline_async_yield_and_update(context_address(store), epoch_ticks)
 
 
-class PeriodicThread:
-    """A daemon thread that calls `tick()` every `interval_s` seconds until stopped. Use as a
-    context manager, or call `start()` and `stop()`."""
-
-    def __init__(self, tick: Callable[[], None], interval_s: float, name: str):
-        self.interval_s = interval_s
-        self._tick = tick
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stopped.wait(self.interval_s):
-            self._tick()
-
-    def start(self) -> "PeriodicThread":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self._thread.join()
-
-    def __enter__(self) -> "PeriodicThread":
-        return self.start()
-
-    def __exit__(self, *exc_info) -> None:
-        self.stop()
-
-
 class EpochTicker:
     """Increments `engine`'s epoch every `interval_s` seconds: the clock behind `set_time_slice`.
     The ticks come from C (fiber_native.c's sym_ticker_run) on a thread of its own that never
@@ -478,8 +449,9 @@ class AsyncLinker:
                     results: Sequence[wasmtime.ValType],
                     handler: Callable[[HostCall, list], Sequence[Value]]) -> None:
         """Provide `module.name`, which never blocks: `handler(call, args)` returns the result
-        values. Cheaper than `define_async` (one callback into Python instead of two). If it
-        raises, the guest traps."""
+        values. Cheaper than `define_async` for a call that never waits: the handler runs
+        inside the guest's call (a ctypes callback), where a blocking call costs one more poll
+        (measured warm, one guest: 1.1 against 1.9-2.1 us). If it raises, the guest traps."""
         self._define(_define_func, _address(_call_sync), module, name, params, results, handler)
 
     def _define(self, define, callback: int, module: str, name: str, params, results, handler) -> None:

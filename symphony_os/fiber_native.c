@@ -1,5 +1,5 @@
-/* The C half of fiber.py: what wasmtime calls when a guest makes a blocking host call, and the
- * poll that runs a guest on. Python reaches it through ctypes (fiber.py loads it, built by
+/* The C half of fiber.py: what wasmtime calls when a guest makes a blocking host call, the
+ * poll that runs a guest on, and the epoch ticker's loop. Python reaches it through ctypes (fiber.py loads it, built by
  * native_build.py with zig's clang); it calls nothing of Python's, so a guest's blocking call
  * costs no callback into the interpreter and runs nothing on the guest's cold fiber stack.
  *
@@ -111,10 +111,10 @@ int sym_fiber_poll(sym_fiber_slot *slot, uint64_t time_slice_ticks) {
 /* The epoch ticker: increments `engine`'s epoch every `interval_ns` until `*stop` is set. It
  * runs on a thread of its own, entered through ctypes (which releases the GIL for the call), so
  * a tick needs no interpreter: a tick in Python waited for the GIL, and made the thread holding
- * it wait in turn (fiber.py's EpochTicker has the measurements). The
- * engine is a clone owned by the caller, which deletes it once this returns; a process that
- * exits with the ticker running leaks it rather than free it under the loop. `nanosleep` is
- * the C library's, passed in (this file is built without one). */
+ * it wait in turn (fiber.py's EpochTicker has the measurements). The engine is a clone owned by
+ * the caller, which deletes it once this returns; a process that exits with the ticker running
+ * leaks it rather than free it under the loop. `nanosleep` is the C library's, passed in (this
+ * file is built without one). */
 typedef struct { int64_t seconds; int64_t nanoseconds; } sym_timespec; /* struct timespec, LP64 */
 typedef int (*nanosleep_fn)(const sym_timespec *request, sym_timespec *remaining);
 typedef void (*increment_epoch_fn)(void *engine);

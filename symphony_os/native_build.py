@@ -26,7 +26,7 @@ from pathlib import Path
 FLAGS = ("-O2", "-shared", "-fPIC", "-nostdlib", "-mcpu=baseline")
 
 # zig's clang, isolated (`-I`): no `ziglang` module in the working directory or on PYTHONPATH
-# stands in for it. builtin_lips.py compiles with it too.
+# stands in for it. builtin_lips.py, tests/guests.py and bench/paper.py compile with it too.
 ZIG_CC = (sys.executable, "-I", "-m", "ziglang", "cc")
 
 

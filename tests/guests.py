@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import wasmtime
+
+from symphony_os.native_build import ZIG_CC
 
 ROOT = Path(__file__).resolve().parent.parent
 SDK = ROOT / "guest_sdk" / "c"
@@ -18,7 +19,7 @@ def build_c(source: Path, out: Path, simd: bool = True) -> Path:
     headers = [SDK / "symphony.h", *source.parent.glob("*.h")]  # lips/gallery.h and friends
     newest_input = max(path.stat().st_mtime for path in [source, *headers])
     if not out.exists() or out.stat().st_mtime < newest_input:
-        subprocess.run([sys.executable, "-I", "-m", "ziglang", "cc", "--target=wasm32-wasi", "-O2", "-s",
+        subprocess.run([*ZIG_CC, "--target=wasm32-wasi", "-O2", "-s",
                         *(["-msimd128"] if simd else []), f"-I{SDK}", str(source), "-o", str(out)], check=True)
     return out
 
