@@ -87,7 +87,7 @@ _native.sym_fiber_init.restype, _native.sym_fiber_init.argtypes = None, [_vp, _v
 _native.sym_fiber_init(ctypes.cast(_future_poll, _vp), ctypes.cast(_set_epoch_deadline, _vp),
                        ctypes.cast(ffi.dll["wasmtime_trap_new"], _vp))
 _fiber_poll = _native.sym_fiber_poll
-_fiber_poll.restype, _fiber_poll.argtypes = ctypes.c_int, [_vp, ctypes.c_uint64]
+_fiber_poll.restype, _fiber_poll.argtypes = ctypes.c_int, [_vp, ctypes.c_uint64, _vp]
 _ticker_run = _native.sym_ticker_run  # EpochTicker's loop
 _ticker_run.restype, _ticker_run.argtypes = None, [_vp, _vp, _vp, _vp, ctypes.c_uint64]
 _engine_clone = raw_prototype("wasmtime_engine_clone", _vp, _vp)
@@ -492,6 +492,7 @@ class Fiber:
     a failed Pending, a handler's exception) or `exit_code` (WASI proc_exit; `result` is then
     []). `trap_code` names wasm traps (e.g. TrapCode.OUT_OF_FUEL); `error` keeps a handler's
     exception. `owner` is any object the host attaches (handlers see it as `call.fiber.owner`).
+    `slot_address` is where its native state lies: what `poll(prefetch=)` of another fiber takes.
 
     The store must outlive the fiber, be polled from one thread at a time, and run one fiber
     at a time. `close()` (also done on finishing) frees wasmtime's future.
@@ -499,7 +500,7 @@ class Fiber:
 
     # Slots: a scheduler touches every fiber's fields on every round; no per-fiber dict to fetch.
     __slots__ = ("owner", "result", "trap", "trap_code", "exit_code", "error", "_deferred", "_wait", "_wait_call",
-                 "_slot", "_slot_address", "_fields", "_store", "_collect", "_keep", "_trap_slot", "_error_slot", "_future")
+                 "_slot", "slot_address", "_fields", "_store", "_collect", "_keep", "_trap_slot", "_error_slot", "_future")
 
     def __init__(self, store: wasmtime.Store, func: wasmtime.Func, args: Sequence[Value] = (),
                  owner: object = None):
@@ -548,7 +549,7 @@ class Fiber:
         self._wait: Pending | None = None  # the answer of the host call it waits in, while it waits
         self._wait_call: HostCall | None = None  # and that call
         self._slot = ctypes.create_string_buffer(_SLOT_BYTES)  # fiber_native.c's sym_fiber_slot
-        self._slot_address, self._fields = ctypes.addressof(self._slot), memoryview(self._slot).cast("B").cast("Q")
+        self.slot_address, self._fields = ctypes.addressof(self._slot), memoryview(self._slot).cast("B").cast("Q")
         self._fields[_CONTEXT] = _address(store._context())
         self._store = store
         self._collect = collect
@@ -563,10 +564,12 @@ class Fiber:
     def done(self) -> bool:
         return self._future is None
 
-    def poll(self, time_slice_ticks: int = 0) -> bool:
+    def poll(self, time_slice_ticks: int = 0, prefetch: int | None = None) -> bool:
         """Run the guest until it finishes (True), or waits or yields (False). With
         `time_slice_ticks`, it first gets a fresh time slice (see `set_time_slice`): one that
-        waited in a blocking call is past its old deadline."""
+        waited in a blocking call is past its old deadline. `prefetch`: the `slot_address` of
+        the fiber the caller polls next, whose native state the cache fetches meanwhile (a
+        scheduler polling many guests finds each one's cold otherwise); that fiber must be alive."""
         if self._future is None:
             return True
         outer, _polling.fiber = _polling.fiber, self
@@ -575,7 +578,7 @@ class Fiber:
             if waiting is not None and waiting.done:
                 _deliver(self)  # the guest resumes in this poll
             while True:
-                state = _fiber_poll(self._slot_address, time_slice_ticks)
+                state = _fiber_poll(self.slot_address, time_slice_ticks, prefetch)
                 if state != _POLL_CALLED or not self._take_call():
                     break
                 time_slice_ticks = 0  # answered at once: the guest runs on in its slice
@@ -597,7 +600,7 @@ class Fiber:
         function, call = _FUNCTIONS.get(fields[_FUNCTION]), None
         try:
             call = HostCall(fields[_CALLER], self)
-            outcome = function.handler(call, function.params.read(self._slot_address + _ARGS_OFFSET))
+            outcome = function.handler(call, function.params.read(self.slot_address + _ARGS_OFFSET))
             if self._future is not None:  # else the handler closed this fiber: the call's slots are gone
                 if isinstance(outcome, Pending):  # the call stays valid while the guest waits
                     self._wait, self._wait_call = outcome, call

@@ -9,6 +9,7 @@
  * runs the call's handler on its own stack, writes the results, raises `answered`, and the
  * next poll resumes the guest. (Measured, 1024 guests each making one blocking call a round:
  * 2.0 us per guest-round, against 6.4-8.0 with the call answered through a ctypes callback.)
+ * A poll also prefetches what the caller's next poll will touch (prefetch_slot).
  *
  * Built with -nostdlib: it needs no C library, so zig compiles it in a tenth of a second
  * without building one first. wasmtime's functions arrive as pointers (`sym_fiber_init`). */
@@ -43,6 +44,7 @@ typedef struct {
     uint64_t nargs;
     uint8_t answered[8];   /* byte 0: the continuation's answer, raised once results are written */
     sym_val args[SYM_FIBER_MAX_ARGS];
+    const char *stack;     /* where the guest's fiber stack was at its last blocking call (prefetch) */
 } sym_fiber_slot;
 
 typedef bool (*future_poll_fn)(void *future);
@@ -87,15 +89,44 @@ void sym_fiber_blocking_call(void *env, void *caller, const sym_val *args, size_
     slot->caller = caller;
     slot->results = results;
     slot->trap_ret = trap_ret;
+    slot->stack = (const char *)__builtin_frame_address(0);
     slot->answered[0] = 0;
     slot->called = 1;
     continuation->env = slot->answered;
 }
 
+/* Ask the cache for what polling `slot`'s guest will touch first: the slot, the top of the
+ * fiber's stack where the guest waits in its call, the store, the call's future and the
+ * wasmtime state of the call it waits in. With a thousand guests a round, each guest's is cold
+ * by its next poll (measured: a poll took 2.6 us at 1024 guests against 1.0 at 16, and 1.85 with
+ * this run during the poll before). Any of these addresses may be stale (a call since answered,
+ * a fiber that has finished): a prefetch never faults and changes nothing but the cache. */
+#define PREFETCH_STACK_BELOW 512   /* the frames the guest's resumption returns through lie above */
+#define PREFETCH_STACK_ABOVE 2048  /* measured: no better at 4 KB, worse at 16 */
+static void prefetch(const void *address, unsigned bytes) {
+    for (unsigned offset = 0; offset < bytes; offset += 64)
+        __builtin_prefetch((const char *)address + offset, 0, 2);
+}
+
+static void prefetch_slot(const sym_fiber_slot *slot) {
+    prefetch(slot, offsetof(sym_fiber_slot, args));
+    if (slot->stack != 0)
+        prefetch(slot->stack - PREFETCH_STACK_BELOW, PREFETCH_STACK_BELOW + PREFETCH_STACK_ABOVE);
+    prefetch(slot->context, 256);
+    prefetch(slot->future, 256);
+    prefetch(slot->caller, 64);
+    prefetch(slot->results, 64);
+    prefetch(slot->trap_ret, 64);
+}
+
 /* Run the fiber's guest on: 1 once its call finished, 2 if it made a blocking call (recorded
  * in the slot), 0 if it waits or yielded. A nonzero `time_slice_ticks` gives it a fresh slice
- * first. Nested polls (from a sync host call's handler) restore the outer slot. */
-int sym_fiber_poll(sym_fiber_slot *slot, uint64_t time_slice_ticks) {
+ * first. `next`, when not null, is the slot of the fiber the caller polls next: it is prefetched
+ * meanwhile (prefetch_slot); it must be a live slot, though its fiber may have finished. Nested
+ * polls (from a sync host call's handler) restore the outer slot. */
+int sym_fiber_poll(sym_fiber_slot *slot, uint64_t time_slice_ticks, const sym_fiber_slot *next) {
+    if (next != 0)
+        prefetch_slot(next);
     if (slot->future == 0) /* closed (fiber.py clears it): nothing left to run */
         return 1;
     if (time_slice_ticks)

@@ -57,7 +57,7 @@ class Process:
                  "end_reason", "log", "_on_output", "_on_log", "_on_exit", "_inbox", "_inbox_bytes", "_inbox_lock",
                  "_input_closed", "_kill_reason", "ended", "cpu_time_s", "usage", "hostcalls", "store",
                  "_time_slice_ticks", "_fiber", "_fresh", "_instantiating", "_memory", "memory", "_blocked", "wake",
-                 "_woken_by_pred", "monotonic_origin", "_cpu_time_limit", "__weakref__")
+                 "_woken_by_pred", "monotonic_origin", "_cpu_time_limit", "poll_address", "__weakref__")
     POLLS_TO_RESUME = 1  # polls that run the guest on after its blocking call is answered
 
     def __init__(self, program: Program, args: list[str], env: dict[str, str], engine, kv_session,
@@ -100,6 +100,7 @@ class Process:
         set_time_slice(self.store, limits.time_slice_ticks)
         self._time_slice_ticks = limits.time_slice_ticks  # a fresh slice when a guest resumes
         self._fiber: Fiber | None = linker.start_instantiate(self.store, program.module, owner=self)
+        self.poll_address = self._fiber.slot_address  # what the worker prefetches (advance)
         self._instantiating = True
         self._fresh = True  # a fiber not polled yet: its time slice starts at its first poll
         self._memory: wasmtime.Memory | None = None  # the guest's memory, once instantiated
@@ -212,12 +213,13 @@ class Process:
     def finished(self) -> bool:
         return self.exit_code is not None  # set with the state, by _end only
 
-    def advance(self) -> str:
+    def advance(self, prefetch: int | None = None) -> str:
         """Run the guest until it blocks, yields or ends. Returns "waiting" (blocked, or not
         ready yet), "preempted" (its time slice ended: still runnable), "continue" (it will
         run on at once: instantiation done) or "ended". The worker adds the CPU time it took
         to `cpu_time_s`; past its limit the process ends here (past its wall time, the
-        watchdog kills it: limits.Watchdog)."""
+        watchdog kills it: limits.Watchdog). `prefetch`: the `poll_address` of the process
+        the worker advances next (`Fiber.poll`)."""
         try:  # the body inline (no call): it runs for every process in every round
             if self.exit_code is not None:  # finished
                 return "ended"
@@ -239,7 +241,7 @@ class Process:
             if self._fresh:  # the slice set at spawn (or by the instantiation) ran out in the rounds since
                 self._fresh = False
                 ticks = self._time_slice_ticks
-            finished = fiber.poll(ticks)  # True at once for a fiber that is done
+            finished = fiber.poll(ticks, prefetch)  # True at once for a fiber that is done
             if not finished and resumed and self._blocked is None and self.POLLS_TO_RESUME == 2:
                 # A component's first poll after a blocking call only finishes that call (measured);
                 # the second runs the guest on. A core module's first poll runs on at once (a
@@ -260,6 +262,7 @@ class Process:
             elif self._instantiating:
                 self._instantiating = False
                 self._fiber = self._main_fiber(fiber.result[0])
+                self.poll_address = self._fiber.slot_address
                 self._fresh = True
                 return "continue"
             else:

@@ -118,6 +118,30 @@ def test_many_guests_round_robin_on_one_thread():
         assert fiber.result == [calls_each * 1000 * index + sum(range(calls_each))]
 
 
+def test_a_poll_that_prefetches_the_next_fiber_changes_no_result():
+    """A scheduler passes the next fiber's slot to each poll, to be fetched into the cache
+    meanwhile. What that slot recorded may be stale (a call answered since, a fiber finished
+    and closed) or not there yet (a fiber never polled): a prefetch reads none of it."""
+    queue = WaitQueue(answer=lambda owner, x: 1000 * owner + x)
+    engine, linker, module = make_guest_env(queue, epoch_interruption=False)
+    guests = [new_guest(engine, linker, module) for _ in range(9)]
+    # Guest i makes i + 1 calls: the first ones finish while the others still wait.
+    fibers = [Fiber(store, exports["sum_waits"], [index + 1], owner=index)
+              for index, (store, exports) in enumerate(guests[:8])]
+    never_polled = Fiber(guests[8][0], guests[8][1]["sum_waits"], [1], owner=8)
+    for _ in range(9):
+        for fiber, following in zip(fibers, fibers[1:] + [never_polled]):
+            fiber.poll(prefetch=following.slot_address)
+        queue.answer_all()
+    for index, fiber in enumerate(fibers):
+        assert fiber.done and fiber.result == [sum(1000 * index + x for x in range(index + 1))]
+    # A finished fiber's poll, prefetching itself and a fiber closed in its call.
+    never_polled.poll()
+    never_polled.close()
+    assert fibers[0].poll(prefetch=never_polled.slot_address) is True
+    assert fibers[0].poll(prefetch=fibers[0].slot_address) is True
+
+
 @pytest.mark.timeout(60, method="thread")  # without preemption the first poll of `spin` never returns
 def test_epoch_preemption_lets_other_guests_finish():
     queue = WaitQueue()
