@@ -103,6 +103,13 @@ _FUTURE, _CONTEXT, _CALLED, _FUNCTION, _CALLER, _RESULTS, _TRAP_RET, _NARGS, _AN
 _ARGS_OFFSET = 72
 if _native.sym_fiber_args_offset() != _ARGS_OFFSET or _SLOT_BYTES < _ARGS_OFFSET:
     raise ImportError("fiber_native.c's sym_fiber_slot does not match fiber.py's layout of it")
+# Then, after the arguments: the host objects prefetched with the slot (Fiber.prefetch_with),
+# their addresses in words [_HOST_OBJECTS, +MAX) and their sizes in the MAX words after.
+_HOST_OBJECTS = _native.sym_fiber_host_objects_offset() // 8
+MAX_PREFETCHED_OBJECTS = _native.sym_fiber_host_objects_max()
+# Where an object's memory starts, before its id(): CPython's GC header (16 bytes) and, for an
+# instance with a __dict__, the two words before that.
+_OBJECT_PREFIX = 32
 
 
 def _address(pointer) -> int:
@@ -274,9 +281,8 @@ _NATIVE = memoryview((ctypes.c_char * sys.maxsize).from_address(0)).cast("B")
 _ADDRESS = struct.Struct("<Q")
 
 # A wasmtime_val_t is 32 bytes: the kind byte, then the value at offset 8.
-_VALUE_BYTES = 32
 _VALUE_CODE = {0: "i20x", 1: "q16x", 2: "f20x", 3: "d16x"}  # kind -> struct code and padding
-MAX_BLOCKING_ARGS = (_SLOT_BYTES - _ARGS_OFFSET) // _VALUE_BYTES  # the slot's room: SYM_FIBER_MAX_ARGS
+MAX_BLOCKING_ARGS = _native.sym_fiber_max_args()  # the slot's room: SYM_FIBER_MAX_ARGS
 
 
 class _ValueLayout:
@@ -558,11 +564,28 @@ class Fiber:
         self._error_slot = ctypes.POINTER(ffi.wasmtime_error_t)()
         self._future = _address(start(ctypes.byref(self._trap_slot), ctypes.byref(self._error_slot)))
         self._fields[_FUTURE] = self._future
+        self.prefetch_with(())
         _STORES_IN_CALL.add(id(store))
 
     @property
     def done(self) -> bool:
         return self._future is None
+
+    def prefetch_with(self, objects: Sequence[object]) -> None:
+        """Fetch these host objects into the cache too whenever this fiber is prefetched (see
+        `poll`): what handling its calls touches, which a scheduler of many guests finds cold.
+        They replace those given before. At most MAX_PREFETCHED_OBJECTS with the fiber's own
+        two; None is skipped. CPython's id() is the object's address; an object freed since
+        costs nothing (a prefetch never faults)."""
+        objects = [self, self._fields, *(item for item in objects if item is not None)]
+        if len(objects) > MAX_PREFETCHED_OBJECTS:
+            raise ValueError(f"at most {MAX_PREFETCHED_OBJECTS - 2} objects besides the fiber's own")
+        fields = self._fields
+        for index in range(MAX_PREFETCHED_OBJECTS):
+            item = objects[index] if index < len(objects) else None
+            fields[_HOST_OBJECTS + index] = 0 if item is None else id(item) - _OBJECT_PREFIX
+            fields[_HOST_OBJECTS + MAX_PREFETCHED_OBJECTS + index] = \
+                0 if item is None else _OBJECT_PREFIX + sys.getsizeof(item)
 
     def poll(self, time_slice_ticks: int = 0, prefetch: int | None = None) -> bool:
         """Run the guest until it finishes (True), or waits or yields (False). With

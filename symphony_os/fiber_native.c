@@ -18,6 +18,7 @@
 #include <stdint.h>
 
 #define SYM_FIBER_MAX_ARGS 16
+#define SYM_FIBER_HOST_OBJECTS 8
 
 typedef struct { /* wasmtime_val_t: a kind byte, then the value at offset 8 */
     uint8_t kind;
@@ -45,6 +46,10 @@ typedef struct {
     uint8_t answered[8];   /* byte 0: the continuation's answer, raised once results are written */
     sym_val args[SYM_FIBER_MAX_ARGS];
     const char *stack;     /* where the guest's fiber stack was at its last blocking call (prefetch) */
+    /* Host objects that handling its calls touches (fiber.py's `Fiber.prefetch_with`): their
+       addresses and sizes, for prefetch_slot; unused entries are null. */
+    const char *host_objects[SYM_FIBER_HOST_OBJECTS];
+    uint64_t host_object_bytes[SYM_FIBER_HOST_OBJECTS];
 } sym_fiber_slot;
 
 typedef bool (*future_poll_fn)(void *future);
@@ -67,6 +72,9 @@ void sym_fiber_init(void *poll, void *set_deadline, void *new_trap) {
 
 unsigned sym_fiber_slot_size(void) { return sizeof(sym_fiber_slot); }
 unsigned sym_fiber_args_offset(void) { return offsetof(sym_fiber_slot, args); }
+unsigned sym_fiber_host_objects_offset(void) { return offsetof(sym_fiber_slot, host_objects); }
+unsigned sym_fiber_host_objects_max(void) { return SYM_FIBER_HOST_OBJECTS; }
+unsigned sym_fiber_max_args(void) { return SYM_FIBER_MAX_ARGS; }
 
 static bool read_answered(void *env) { return *(volatile uint8_t *)env != 0; }
 
@@ -97,10 +105,11 @@ void sym_fiber_blocking_call(void *env, void *caller, const sym_val *args, size_
 
 /* Ask the cache for what polling `slot`'s guest will touch first: the slot, the top of the
  * fiber's stack where the guest waits in its call, the store, the call's future and the
- * wasmtime state of the call it waits in. With a thousand guests a round, each guest's is cold
- * by its next poll (measured: a poll took 2.6 us at 1024 guests against 1.0 at 16, and 1.85 with
- * this run during the poll before). Any of these addresses may be stale (a call since answered,
- * a fiber that has finished): a prefetch never faults and changes nothing but the cache. */
+ * wasmtime state of the call it waits in, and the host objects registered with it. With a
+ * thousand guests a round, each guest's is cold by its next poll (measured: a poll took 2.6 us
+ * at 1024 guests against 1.0 at 16, and 1.85 with this run during the poll before). Any of
+ * these addresses may be stale (a call since answered, a fiber that has finished, an object
+ * freed): a prefetch never faults and changes nothing but the cache. */
 #define PREFETCH_STACK_BELOW 512   /* the frames the guest's resumption returns through lie above */
 #define PREFETCH_STACK_ABOVE 2048  /* measured: no better at 4 KB, worse at 16 */
 static void prefetch(const void *address, unsigned bytes) {
@@ -117,6 +126,8 @@ static void prefetch_slot(const sym_fiber_slot *slot) {
     prefetch(slot->caller, 64);
     prefetch(slot->results, 64);
     prefetch(slot->trap_ret, 64);
+    for (unsigned i = 0; i < SYM_FIBER_HOST_OBJECTS && slot->host_objects[i] != 0; i++)
+        prefetch(slot->host_objects[i], (unsigned)slot->host_object_bytes[i]);
 }
 
 /* Run the fiber's guest on: 1 once its call finished, 2 if it made a blocking call (recorded

@@ -263,6 +263,10 @@ class Process:
                 self._instantiating = False
                 self._fiber = self._main_fiber(fiber.result[0])
                 self.poll_address = self._fiber.slot_address
+                # What every call touches, fetched while the worker polls the process before
+                # (measured, null rounds at 1024 processes: 0.935 of the time without; 16
+                # and 256 unchanged).
+                self._fiber.prefetch_with((self, self.hostcalls, self.usage, self.memory, self.kv))
                 self._fresh = True
                 return "continue"
             else:

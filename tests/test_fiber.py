@@ -135,6 +135,15 @@ def test_a_poll_that_prefetches_the_next_fiber_changes_no_result():
         queue.answer_all()
     for index, fiber in enumerate(fibers):
         assert fiber.done and fiber.result == [sum(1000 * index + x for x in range(index + 1))]
+    # Host objects prefetched with a fiber: replaced by the next call, freed meanwhile or not.
+    held = [object(), [1, 2, 3], {"a": 1}]
+    fibers[1].prefetch_with(held + [None, object()])  # None is skipped; the object is freed at once
+    fibers[2].prefetch_with(held[:1])
+    del held[:]
+    with pytest.raises(ValueError, match="at most"):
+        fibers[3].prefetch_with([object()] * 7)
+    for fiber, following in zip(fibers, fibers[1:] + [never_polled]):
+        assert fiber.poll(prefetch=following.slot_address) is True
     # A finished fiber's poll, prefetching itself and a fiber closed in its call.
     never_polled.poll()
     never_polled.close()
