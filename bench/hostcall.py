@@ -205,8 +205,9 @@ def main() -> None:
     new_tokens = 16 if args.quick else 48
     repeats = 3 if args.quick else 7  # null-model runs per configuration
     # Real-model runs per path: the VM's noise moves paired runs by +-15% (bench/NOTES.md), so
-    # it takes this many for the median ratio to resolve a few percent.
-    real_repeats = 3 if args.quick else 15
+    # it takes this many for the median ratio to resolve a few percent. (With 15, the paired
+    # ratios' quartiles 3-4% either side of the median put its own standard error near 1.5%.)
+    real_repeats = 3 if args.quick else 25
     hello = ROOT / "lips" / "hello.wasm"
     if not hello.exists():
         subprocess.run(["make", "-C", str(ROOT), "lips"], check=True)
