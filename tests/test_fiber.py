@@ -120,35 +120,37 @@ def test_many_guests_round_robin_on_one_thread():
 
 def test_a_poll_that_prefetches_the_next_fiber_changes_no_result():
     """A scheduler passes the next fiber's slot to each poll, to be fetched into the cache
-    meanwhile. What that slot recorded may be stale (a call answered since, a fiber finished
-    and closed) or not there yet (a fiber never polled): a prefetch reads none of it."""
+    meanwhile. What that slot names may be stale (a call answered since, a fiber closed in its
+    call, host objects freed) or not there yet (a fiber never polled): a prefetch reads none of it."""
     queue = WaitQueue(answer=lambda owner, x: 1000 * owner + x)
     engine, linker, module = make_guest_env(queue, epoch_interruption=False)
-    guests = [new_guest(engine, linker, module) for _ in range(9)]
+    guests = [new_guest(engine, linker, module) for _ in range(10)]
     # Guest i makes i + 1 calls: the first ones finish while the others still wait.
     fibers = [Fiber(store, exports["sum_waits"], [index + 1], owner=index)
               for index, (store, exports) in enumerate(guests[:8])]
     never_polled = Fiber(guests[8][0], guests[8][1]["sum_waits"], [1], owner=8)
+    closed_in_its_call = Fiber(guests[9][0], guests[9][1]["sum_waits"], [5], owner=9)
+    assert closed_in_its_call.poll() is False
+    closed_in_its_call.close()
+    queue.waiting.clear()
+    # Host objects prefetched with the fibers, replaced, or freed before they are prefetched.
+    held = [object(), [1, 2, 3], {"a": 1}]
+    fibers[1].prefetch_with(held + [None, object()])  # None is skipped; the last is freed at once
+    fibers[2].prefetch_with(held[:1])
+    fibers[2].prefetch_with([[4, 5]])  # replaces the first (its list is freed at once)
+    del held[:]
+    with pytest.raises(ValueError, match="at most 6"):
+        fibers[3].prefetch_with([object()] * 7)
     for _ in range(9):
         for fiber, following in zip(fibers, fibers[1:] + [never_polled]):
             fiber.poll(prefetch=following.slot_address)
+        fibers[-1].poll(prefetch=closed_in_its_call.slot_address)  # still waiting: polled again
         queue.answer_all()
     for index, fiber in enumerate(fibers):
         assert fiber.done and fiber.result == [sum(1000 * index + x for x in range(index + 1))]
-    # Host objects prefetched with a fiber: replaced by the next call, freed meanwhile or not.
-    held = [object(), [1, 2, 3], {"a": 1}]
-    fibers[1].prefetch_with(held + [None, object()])  # None is skipped; the object is freed at once
-    fibers[2].prefetch_with(held[:1])
-    del held[:]
-    with pytest.raises(ValueError, match="at most"):
-        fibers[3].prefetch_with([object()] * 7)
-    for fiber, following in zip(fibers, fibers[1:] + [never_polled]):
-        assert fiber.poll(prefetch=following.slot_address) is True
-    # A finished fiber's poll, prefetching itself and a fiber closed in its call.
-    never_polled.poll()
-    never_polled.close()
-    assert fibers[0].poll(prefetch=never_polled.slot_address) is True
-    assert fibers[0].poll(prefetch=fibers[0].slot_address) is True
+    assert never_polled.poll(prefetch=fibers[0].slot_address) is False  # waits in its call
+    queue.answer_all()
+    assert never_polled.poll(prefetch=never_polled.slot_address) is True and never_polled.result == [8000]
 
 
 @pytest.mark.timeout(60, method="thread")  # without preemption the first poll of `spin` never returns
