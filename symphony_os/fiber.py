@@ -146,8 +146,12 @@ def make_async_engine(epoch_interruption: bool = True, max_wasm_stack_bytes: int
 
 def set_time_slice(store: wasmtime.Store, epoch_ticks: int) -> None:
     """Make guests in `store` yield to `Fiber.poll()` (which then returns False) after running
-    for `epoch_ticks` increments of the engine's epoch, instead of trapping."""
-    store.set_epoch_deadline(epoch_ticks)
+    for `epoch_ticks` whole intervals of the engine's epoch, instead of trapping. The first
+    slice (and a fresh one at `Fiber.poll`) ends at the (epoch_ticks + 1)th tick from now:
+    the next tick may come a microsecond later (a slice of one tick then ended before a guest
+    that had just resumed from a pred could reach its next one; the batch went without it).
+    After a yield, which comes just after a tick, the next slice is `epoch_ticks` ticks."""
+    store.set_epoch_deadline(epoch_ticks + 1)
     _epoch_deadline_async_yield_and_update(context_address(store), epoch_ticks)
 
 

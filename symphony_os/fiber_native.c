@@ -132,7 +132,7 @@ static void prefetch_slot(const sym_fiber_slot *slot) {
 
 /* Run the fiber's guest on: 1 once its call finished, 2 if it made a blocking call (recorded
  * in the slot), 0 if it waits or yielded. A nonzero `time_slice_ticks` gives it a fresh slice
- * first. `next`, when not null, is the slot of the fiber the caller polls next: it is prefetched
+ * first, which lasts until the (time_slice_ticks + 1)th tick from now. `next`, when not null, is the slot of the fiber the caller polls next: it is prefetched
  * meanwhile (prefetch_slot); it must be a live slot, though its fiber may have finished. Nested
  * polls (from a sync host call's handler) restore the outer slot. */
 int sym_fiber_poll(sym_fiber_slot *slot, uint64_t time_slice_ticks, const sym_fiber_slot *next) {
@@ -140,8 +140,8 @@ int sym_fiber_poll(sym_fiber_slot *slot, uint64_t time_slice_ticks, const sym_fi
         prefetch_slot(next);
     if (slot->future == 0) /* closed (fiber.py clears it): nothing left to run */
         return 1;
-    if (time_slice_ticks)
-        set_epoch_deadline(slot->context, time_slice_ticks);
+    if (time_slice_ticks) /* one more: the next tick may come at once (fiber.py's set_time_slice) */
+        set_epoch_deadline(slot->context, time_slice_ticks + 1);
     sym_fiber_slot *outer = polled;
     polled = slot;
     slot->called = 0;

@@ -535,6 +535,49 @@ def test_a_fresh_time_slice_at_poll_lets_a_resumed_guest_reach_its_next_call():
     assert fibers[0].poll(time_slice_ticks=5) is False and len(queue.waiting) == 1  # a fresh slice: the next call
 
 
+TICKING_GUEST_WAT = """
+(module
+  (import "symphony" "wait" (func $wait (param i32) (result i32)))
+  (import "symphony" "tick" (func $tick))
+  (func (export "wait_tick_wait") (result i32) (local $i i32)
+    (drop (call $wait (i32.const 1)))
+    (call $tick)  ;; the epoch ticks just after the guest resumed
+    (loop $next  ;; a little computing: epoch checks on every back edge
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br_if $next (i32.lt_u (local.get $i) (i32.const 100))))
+    (call $wait (i32.const 2))))
+"""
+
+
+@pytest.mark.parametrize("ticks", [1, 3])
+def test_a_fresh_time_slice_of_n_ticks_outlasts_n_ticks(ticks):
+    """A slice's deadline counts ticks of a clock that does not start with it: the next tick
+    may come a microsecond after the guest resumed. A slice of one tick was then over at once,
+    and a guest that resumed from a pred was preempted before it reached its next pred (the
+    batch went on without it: hello's batches of 8 split, 49 forward passes for 48 tokens).
+    Now a fresh slice of n ticks lasts until the (n+1)th tick."""
+    queue, ticking = WaitQueue(), [0]
+    engine = make_async_engine()
+    linker = AsyncLinker(engine)
+    linker.define_async("symphony", "wait", [I32], [I32], queue)
+
+    def tick(call, args):
+        for _ in range(ticking[0]):
+            engine.increment_epoch()
+        return ()
+
+    linker.define_func("symphony", "tick", [], [], tick)
+    module = wasmtime.Module(engine, wasmtime.wat2wasm(TICKING_GUEST_WAT))
+    for passed, preempted in ((ticks, False), (ticks + 1, True)):
+        ticking[0], queue.waiting = passed, []  # the ticks that come just after the guest resumes
+        store, exports = new_guest(engine, linker, module, slice_ticks=ticks)
+        fiber = Fiber(store, exports["wait_tick_wait"])
+        assert fiber.poll(time_slice_ticks=ticks) is False and len(queue.waiting) == 1
+        queue.answer_all()
+        assert fiber.poll(time_slice_ticks=ticks) is False
+        assert len(queue.waiting) == (0 if preempted else 1)  # its next call, or yielded before it
+
+
 def test_a_blocking_function_takes_at_most_sixteen_parameters():
     linker = AsyncLinker(make_async_engine())
     with pytest.raises(TypeError, match="at most 16"):
