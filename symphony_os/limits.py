@@ -52,7 +52,7 @@ class ProcessLimits:
     # host memory in next-token distributions: kind-0 preds in flight plus a Python guest's live
     # `distribution` resources (4 bytes per vocabulary entry each: 600 KB at 151,936 tokens)
     distribution_bytes: int = 256 * 2**20
-    time_slice_ticks: int = 1  # whole epoch intervals (10 ms each) a guest may compute before it yields
+    time_slice_ticks: int = 1  # epoch intervals (10 ms) a resumed guest computes at least before it yields
 
 
 def _amount(value: float) -> str:
