@@ -108,8 +108,10 @@ if _native.sym_fiber_args_offset() != _ARGS_OFFSET or _SLOT_BYTES < _ARGS_OFFSET
 _HOST_OBJECTS = _native.sym_fiber_host_objects_offset() // 8
 MAX_PREFETCHED_OBJECTS = _native.sym_fiber_host_objects_max()
 # Where an object's memory starts, before its id(): CPython's GC header (16 bytes) and, for an
-# instance with a __dict__, the two words before that.
+# instance with a __dict__, the two words before that. And the most prefetched of one object
+# (its first lines: a large object's size would be fetched on every poll).
 _OBJECT_PREFIX = 32
+_MAX_OBJECT_BYTES = 1024
 
 
 def _address(pointer) -> int:
@@ -593,7 +595,7 @@ class Fiber:
             item = objects[index] if index < len(objects) else None
             fields[_HOST_OBJECTS + index] = 0 if item is None else id(item) - _OBJECT_PREFIX
             fields[_HOST_OBJECTS + MAX_PREFETCHED_OBJECTS + index] = \
-                0 if item is None else _OBJECT_PREFIX + sys.getsizeof(item)
+                0 if item is None else min(_OBJECT_PREFIX + sys.getsizeof(item), _MAX_OBJECT_BYTES)
 
     def poll(self, time_slice_ticks: int = 0, prefetch: int | None = None) -> bool:
         """Run the guest until it finishes (True), or waits or yields (False). With

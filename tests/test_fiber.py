@@ -9,8 +9,8 @@ import threading
 import pytest
 import wasmtime
 
-from symphony_os.fiber import (AsyncLinker, EpochTicker, Fiber, Pending, Ready, make_async_engine,
-                               set_time_slice)
+from symphony_os.fiber import (_HOST_OBJECTS, MAX_PREFETCHED_OBJECTS, AsyncLinker, EpochTicker, Fiber, Pending,
+                               Ready, make_async_engine, set_time_slice)
 
 I32 = wasmtime.ValType.i32()
 
@@ -137,7 +137,9 @@ def test_a_poll_that_prefetches_the_next_fiber_changes_no_result():
     held = [object(), [1, 2, 3], {"a": 1}]
     fibers[1].prefetch_with(held + [None, object()])  # None is skipped; the last is freed at once
     fibers[2].prefetch_with(held[:1])
-    fibers[2].prefetch_with([[4, 5]])  # replaces the first (its list is freed at once)
+    fibers[2].prefetch_with([[4, 5], bytes(1 << 24)])  # replaces the first; freed at once
+    sizes = fibers[2]._fields[_HOST_OBJECTS + MAX_PREFETCHED_OBJECTS:][:MAX_PREFETCHED_OBJECTS].tolist()
+    assert 0 < max(sizes) <= 1024 and sizes[4:] == [0] * (MAX_PREFETCHED_OBJECTS - 4)  # a large object: its head
     del held[:]
     with pytest.raises(ValueError, match="at most 6"):
         fibers[3].prefetch_with([object()] * 7)
