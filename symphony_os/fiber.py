@@ -614,7 +614,7 @@ class Fiber:
                 state = _fiber_poll(self.slot_address, time_slice_ticks, prefetch)
                 if state != _POLL_CALLED or not self._take_call():
                     break
-                time_slice_ticks = 0  # answered at once: the guest runs on in its slice
+                time_slice_ticks, prefetch = 0, None  # answered at once: on in its slice (the next one fetched)
         finally:
             _polling.fiber = outer
         finished = state == _POLL_FINISHED or self._future is None  # the call's handler closed it

@@ -1,7 +1,8 @@
 /* The C half of fiber.py: what wasmtime calls when a guest makes a blocking host call, the
- * poll that runs a guest on, and the epoch ticker's loop. Python reaches it through ctypes (fiber.py loads it, built by
- * native_build.py with zig's clang); it calls nothing of Python's, so a guest's blocking call
- * costs no callback into the interpreter and runs nothing on the guest's cold fiber stack.
+ * poll that runs a guest on, and the epoch ticker's loop. Python reaches it through ctypes
+ * (fiber.py loads it, built by native_build.py with zig's clang); it calls nothing of Python's,
+ * so a guest's blocking call costs no callback into the interpreter and runs nothing on the
+ * guest's cold fiber stack.
  *
  * The callback only records the call (which function, its arguments, where its results and
  * trap go) in the polled fiber's slot and hands wasmtime a continuation that reads the slot's
@@ -132,9 +133,10 @@ static void prefetch_slot(const sym_fiber_slot *slot) {
 
 /* Run the fiber's guest on: 1 once its call finished, 2 if it made a blocking call (recorded
  * in the slot), 0 if it waits or yielded. A nonzero `time_slice_ticks` gives it a fresh slice
- * first, which lasts until the (time_slice_ticks + 1)th tick from now. `next`, when not null, is the slot of the fiber the caller polls next: it is prefetched
- * meanwhile (prefetch_slot); it must be a live slot, though its fiber may have finished. Nested
- * polls (from a sync host call's handler) restore the outer slot. */
+ * first, which lasts until the (time_slice_ticks + 1)th tick from now. `next`, when not null,
+ * is the slot of the fiber the caller polls next: it is prefetched meanwhile (prefetch_slot);
+ * it must be a live slot, though its fiber may have finished. Nested polls (from a sync host
+ * call's handler) restore the outer slot. */
 int sym_fiber_poll(sym_fiber_slot *slot, uint64_t time_slice_ticks, const sym_fiber_slot *next) {
     if (next != 0)
         prefetch_slot(next);
