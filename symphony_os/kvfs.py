@@ -428,11 +428,6 @@ class KVFS:
                 raise
             return True
 
-    def page_table(self, file: KvFile) -> list[int]:
-        """Device page ids of a resident file, in token order."""
-        assert file.resident, "page_table of a swapped-out file"
-        return file.pages  # type: ignore[return-value]
-
     def copy_range(self, src: KvFile, start: int, end: int, dst: KvFile) -> None:
         """Append src's tokens [start, end) to dst, sharing whole pages where alignment allows.
         FileBusy while src has a pred in flight."""

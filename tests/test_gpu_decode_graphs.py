@@ -22,7 +22,7 @@ def decode_inputs(engine: Engine, files, tokens: list[int]) -> list[SequenceInpu
     for file, token in zip(files, tokens):
         position = file.length
         slots = engine.kvfs.reserve_slots(file, [position])
-        seqs.append(SequenceInput([token], [position], slots, list(engine.kvfs.page_table(file)),
+        seqs.append(SequenceInput([token], [position], slots, list(file.pages),
                                   file.length, wants_logits=True))
     return seqs
 

@@ -25,7 +25,7 @@ def _our_logits(engine: Engine, prompt: list[int], steps: int) -> tuple[list[tor
         start = file.length
         slots = engine.kvfs.reserve_slots(file, list(range(start, start + len(feed))))
         seq = SequenceInput(feed, list(range(start, start + len(feed))), slots,
-                            list(engine.kvfs.page_table(file)), file.length, wants_logits=True)
+                            list(file.pages), file.length, wants_logits=True)
         row = engine.runner.run([seq])[0]
         logits.append(row)
         tokens.append(int(row.argmax()))
