@@ -356,6 +356,22 @@ def test_detokenize_is_transformers_decode(source, request, tiny_llama):
                 assert decode(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip)
 
 
+def test_a_model_without_a_tokenizer_runs_preds_and_refuses_text(tiny_engine):
+    """A model built in memory (bench/gpu.py's random weights) has no tokenizer: the engine
+    starts, runs token ids, and refuses text with a clear error."""
+    import dataclasses
+
+    engine = Engine(dataclasses.replace(tiny_engine.loaded, tokenizer=None), num_pages=64)
+    prompt = [5, 9, 13, 2]
+    tokens, probs = greedy_alone(engine, prompt, 4)
+    expected_tokens, expected_probs = greedy_alone(tiny_engine, prompt, 4)
+    assert tokens == expected_tokens
+    torch.testing.assert_close(probs, expected_probs)
+    for call in (lambda: engine.tokenize("hello"), lambda: engine.detokenize([5, 9])):
+        with pytest.raises(InvalidArgument, match="without a tokenizer"):
+            call()
+
+
 def test_padded_page_table_rows_in_order_zero_padded():
     from symphony_os.model_runner import padded_page_table
 
