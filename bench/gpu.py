@@ -8,7 +8,8 @@ Per model and batch size B: B random prompts of --prompt-len tokens, greedy, --n
 tokens each through the engine (`Engine.submit` per sequence per step, as a LIP drives it).
 Prefill throughput is B * prompt-len over the time to the first token; decode throughput counts
 the remaining tokens over the remaining time. "forward" is the engine's own forward + sampling
-time (EngineStats.forward_s); the rest of a step is its host-side bookkeeping.
+time (EngineStats.forward_s); the rest of a step is host work, split per sequence into the
+bench's submits, the engine's own bookkeeping and the bench's reading of the results.
 
 Roofline: a decode step reads each weight once (of the embedding table only the batch's rows)
 and every sequence's cached K/V; its floor is those bytes over the device-to-device bandwidth
@@ -115,27 +116,34 @@ def sync(device: torch.device) -> None:
 
 
 def run_engine(engine: Engine, prompts: torch.Tensor, new_tokens: int):
-    """(seconds to the first token, seconds for the rest, forward seconds of the rest, tokens)."""
+    """(seconds to the first token, seconds for the rest, forward seconds of the rest, tokens,
+    {submit_s, results_s}: of the rest, the bench's own submits and reading of the results)."""
     kv = engine.session()
     handles = [kv.create() for _ in range(len(prompts))]
     feeds = prompts.tolist()
     out: list[list[int]] = [[] for _ in feeds]
     sync(engine.pool.device)
     start = time.perf_counter()
-    first = forward_before = 0.0
+    first = forward_before = submit_s = results_s = 0.0
     for step in range(new_tokens):
         if step == 1:
             first = time.perf_counter() - start
             forward_before = engine.stats().forward_s
+        submitting = time.perf_counter()
         futures = [engine.submit(kv, h, f) for h, f in zip(handles, feeds)]
+        stepping = time.perf_counter()
         engine.run_until_idle()
+        reading = time.perf_counter()
         for i, future in enumerate(futures):
             out[i].append(future.result().token)
             feeds[i] = [out[i][-1]]
+        if step >= 1:
+            submit_s += stepping - submitting
+            results_s += time.perf_counter() - reading
     total = time.perf_counter() - start
     forward = engine.stats().forward_s - forward_before
     kv.close_all()
-    return first, total - first, forward, out
+    return first, total - first, forward, out, dict(submit_s=submit_s, results_s=results_s)
 
 
 def run_transformers(hf, prompts: torch.Tensor, new_tokens: int, device: torch.device):
@@ -253,7 +261,7 @@ def bench_model(name: str, args, device: torch.device, bandwidth: float, out_dir
         # 1 or divisible by 16 (a page table's width among them), so shorter prompts left a compile
         # (0.8 s) inside the timed prefill. The engine's warm-up also captures this size's graph.
         run_engine(engine, prompts, 2)
-        first, rest, forward, ours = run_engine(engine, prompts, args.new_tokens)
+        first, rest, forward, ours, host = run_engine(engine, prompts, args.new_tokens)
         run_transformers(hf, prompts, 2, device)
         hf_first, hf_rest, theirs = run_transformers(hf, prompts, hf_new_tokens, device)
         decode_steps = args.new_tokens - 1
@@ -272,6 +280,11 @@ def bench_model(name: str, args, device: torch.device, bandwidth: float, out_dir
             step_ms=1e3 * rest / decode_steps,
             forward_step_ms=1e3 * forward / decode_steps,
             roofline_step_ms=1e3 * step_bytes / bandwidth,
+            # The step outside the forward, per sequence: the bench's submits, the engine's own
+            # bookkeeping (schedule, reserve slots, finish) and the bench's reading of the results.
+            host_submit_us_per_seq=1e6 * host["submit_s"] / (batch * decode_steps),
+            host_engine_us_per_seq=1e6 * (rest - forward - host["submit_s"] - host["results_s"]) / (batch * decode_steps),
+            host_results_us_per_seq=1e6 * host["results_s"] / (batch * decode_steps),
             same_greedy_tokens=f"{sum(a[:hf_new_tokens] == b for a, b in zip(ours, theirs))}/{batch}",
         )
         row.update(roofline_fraction=row["decode_tok_s"] / roofline,
@@ -282,7 +295,9 @@ def bench_model(name: str, args, device: torch.device, bandwidth: float, out_dir
         print(f"  batch {batch}: decode {row['decode_tok_s']:.0f} tok/s ({row['roofline_fraction']:.0%} of roofline "
               f"{roofline:.0f}; forward alone {row['forward_roofline_fraction']:.0%}), "
               f"transformers {row['hf_decode_tok_s']:.0f} ({row['decode_ratio_to_hf']:.2f}x); "
-              f"prefill {row['prefill_tok_s']:.0f} vs {row['hf_prefill_tok_s']:.0f} tok/s", flush=True)
+              f"prefill {row['prefill_tok_s']:.0f} vs {row['hf_prefill_tok_s']:.0f} tok/s; host per sequence "
+              f"{row['host_submit_us_per_seq']:.1f} submit + {row['host_engine_us_per_seq']:.1f} engine + "
+              f"{row['host_results_us_per_seq']:.1f} results us", flush=True)
     profiles = []
     if name in args.profile.split(",") and device.type == "cuda":
         for batch in (1, 128):
