@@ -9,6 +9,7 @@ index `context_lens[b] - query_len_b + j` (causal: it sees cache indices up to t
 """
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass, field
 
@@ -130,17 +131,100 @@ class TritonAttention:
         return self._prefill(q, k_cache, v_cache, meta.page_table, meta.query_start_loc, meta.context_lens, scale)
 
 
-BACKENDS = {"torch": TorchAttention, "triton": TritonAttention}
+# Upstream flash-attn 2 refuses a paged cache whose pages hold fewer tokens ("Paged KV cache
+# block size must be divisible by 256"), in both its decode and its varlen kernels.
+FLASH_ATTN_PAGE_MULTIPLE = 256
 
 
-def select_backend(device: torch.device, requested: str | None = None):
-    """The attention backend for `device`: `requested` (or $SYMPHONY_ATTENTION) when given,
-    else Triton on CUDA and the torch reference elsewhere."""
+class FlashAttention:
+    """flash-attn's paged-KV kernels (`pip install '.[gpu]'`, CUDA only): `flash_attn_with_kvcache`
+    for decode batches, `flash_attn_varlen_func` over the pages for prefill/extend. Both read the
+    pool in place: its layout `[num_pages, page_size, num_kv_heads, head_dim]` is flash-attn's,
+    the page table is its `block_table`, and its causal mask is aligned to the bottom right, as
+    ours is. New K/V go in through the Triton store kernel. Decode runs eagerly: flash-attn is
+    not among the CUDA graphs' backends until it has been measured on a GPU."""
+
+    name = "flash-attn"
+
+    def __init__(self, page_size: int, dtype: torch.dtype):
+        reason = flash_attn_unavailable(page_size, dtype)
+        if reason is not None:
+            raise ValueError(f"the flash-attn backend cannot run here: {reason}")
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+        from .kernels import kv_store
+
+        self._store_kv = kv_store.store_kv
+        self._decode = flash_attn_with_kvcache
+        self._varlen = flash_attn_varlen_func
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        if meta.max_query_len > 1:  # the keys' offsets, as the varlen kernel takes them
+            meta.cache["cu_seqlens_k"] = F.pad(meta.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
+
+    def store(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, sliding: bool) -> torch.Tensor:
+        # Keys (pos - window, pos] for the query at pos: flash-attn's window counts the left keys.
+        window = (meta.sliding_window - 1, 0) if sliding and meta.sliding_window else (-1, -1)
+        if meta.max_query_len == 1:
+            out = self._decode(q[:, None], k_cache, v_cache, cache_seqlens=meta.context_lens,
+                               block_table=meta.page_table, softmax_scale=scale, causal=True, window_size=window)
+            return out[:, 0]
+        return self._varlen(q, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc,
+                            cu_seqlens_k=meta.cache["cu_seqlens_k"], max_seqlen_q=meta.max_query_len,
+                            max_seqlen_k=meta.max_context_len, softmax_scale=scale, causal=True,
+                            window_size=window, block_table=meta.page_table)
+
+
+def flash_attn_unavailable(page_size: int, dtype: torch.dtype) -> str | None:
+    """Why the flash-attn backend cannot serve pages of `page_size` tokens of `dtype` here; None
+    when it can."""
+    try:
+        import flash_attn
+    except ImportError:
+        return "flash-attn is not installed (pip install '.[gpu]' on a CUDA machine)"
+    except Exception as error:  # installed but broken (e.g. built for another torch): say so
+        return f"flash-attn does not import ({type(error).__name__}: {error})"
+    varlen = getattr(flash_attn, "flash_attn_varlen_func", None)
+    if not hasattr(flash_attn, "flash_attn_with_kvcache") or varlen is None \
+            or "block_table" not in inspect.signature(varlen).parameters:
+        return f"flash-attn {getattr(flash_attn, '__version__', '?')} has no paged varlen kernel (2.6 or later has)"
+    if page_size % FLASH_ATTN_PAGE_MULTIPLE:
+        return f"its paged KV needs pages of a multiple of {FLASH_ATTN_PAGE_MULTIPLE} tokens (page size {page_size})"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"it runs float16 and bfloat16 only (dtype {str(dtype).replace('torch.', '')})"
+    return None
+
+
+BACKENDS = {"torch": TorchAttention, "triton": TritonAttention, "flash-attn": FlashAttention}
+
+
+def select_backend(device: torch.device, requested: str | None = None, page_size: int = 16,
+                   dtype: torch.dtype = torch.bfloat16):
+    """The attention backend for `device` and pages of `page_size` tokens of `dtype`: `requested`
+    (or $SYMPHONY_ATTENTION) when given; else flash-attn on CUDA when it imports and takes these
+    pages, then Triton on CUDA, and the torch reference elsewhere."""
     requested = requested or os.environ.get("SYMPHONY_ATTENTION") or None
+    cuda = torch.device(device).type == "cuda"
     if requested is not None:
         if requested not in BACKENDS:
             raise ValueError(f"unknown attention backend {requested!r}; choose one of {sorted(BACKENDS)}")
+        if requested == "flash-attn":
+            if not cuda:
+                raise ValueError("the flash-attn backend runs on CUDA only; choose torch or triton here")
+            return FlashAttention(page_size, dtype)
         return BACKENDS[requested]()
-    if torch.device(device).type == "cuda":
-        return TritonAttention()
+    if cuda:
+        return FlashAttention(page_size, dtype) if flash_attn_unavailable(page_size, dtype) is None \
+            else TritonAttention()
     return TorchAttention()
+
+
+def describe_backend(backend, device: torch.device, page_size: int, dtype: torch.dtype) -> str:
+    """The backend's name and, on CUDA where it is not flash-attn, why not (`symphony info`)."""
+    if torch.device(device).type != "cuda" or backend.name == "flash-attn":
+        return backend.name
+    reason = flash_attn_unavailable(page_size, dtype)
+    return f"{backend.name} (flash-attn: {reason or 'available, not chosen'})"

@@ -19,7 +19,10 @@ def _engine_options(func):
         click.option("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)."),
         click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
                      help="Weights and KV dtype (default: float32 on CPU, bfloat16 on GPU)."),
-        click.option("--attention", default=None, help="Force an attention backend (also $SYMPHONY_ATTENTION)."),
+        click.option("--attention", type=click.Choice(["torch", "triton", "flash-attn"]), default=None,
+                     help="Force an attention backend (also $SYMPHONY_ATTENTION; default: flash-attn on CUDA "
+                          "when it is installed and the page size is a multiple of 256, else triton on CUDA, "
+                          "torch on CPU)."),
         click.option("--page-size", default=16, show_default=True, type=click.IntRange(min=1),
                      help="KV page size in tokens."),
         click.option("--kv-pages", default=None, type=click.IntRange(min=1),
@@ -100,6 +103,8 @@ def generate(model_path, device, dtype, attention, page_size, kv_pages, prompt, 
 @_engine_options
 def info(model_path, device, dtype, attention, page_size, kv_pages):
     """Print the model's shape, dtype, device, attention backend and KV pool size."""
+    from .attention import describe_backend
+
     engine = _make_engine(model_path, device, dtype, attention, page_size, kv_pages)
     loaded, cfg, pool = engine.loaded, engine.loaded.config, engine.pool.stats()
     rows = [
@@ -114,7 +119,8 @@ def info(model_path, device, dtype, attention, page_size, kv_pages):
         ("eos token ids", list(loaded.eos_token_ids)),
         ("dtype", str(loaded.model.dtype).replace("torch.", "")),
         ("device", str(loaded.model.device)),
-        ("attention backend", engine.backend.name),
+        ("attention backend", describe_backend(engine.backend, engine.pool.device, engine.pool.page_size,
+                                                   loaded.model.dtype)),
         ("kv pool", f"{pool.total} pages x {pool.page_size} tokens = {pool.total * pool.page_size} tokens, "
                     f"{pool.total * pool.bytes_per_page / 2**20:.1f} MiB"),
     ]

@@ -91,7 +91,7 @@ class Engine:
         )
         self.kvfs = KVFS(self.pool)
         self.scheduler = BatchScheduler(token_budget, max_batch_size)
-        self.backend = select_backend(loaded.model.device, attention)
+        self.backend = select_backend(loaded.model.device, attention, page_size, loaded.model.dtype)
         self.runner = ModelRunner(loaded.model, self.pool, self.backend)
         self._generator = torch.Generator().manual_seed(0)
         self._decode = direct_decode(loaded.tokenizer)
