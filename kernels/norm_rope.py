@@ -1,11 +1,12 @@
-"""The decoder layer's small elementwise steps as one Triton kernel each: RMSNorm and the
-rotary embedding. In torch they are 8 and 5 kernels; at decode batch sizes each of those costs
-1-3 us however small the tensor, which on an H100 was a quarter of a Llama-3-8B batch-1 step
-(1.9 of 7.6 ms of kernel time).
+"""The decoder layer's small elementwise steps as one Triton kernel each: RMSNorm (alone, or
+with the residual add before it) and the rotary embedding. In torch they are 8 and 5 kernels
+(the add one more); at decode batch sizes each of those costs 1-3 us however small the tensor,
+which on an H100 was a quarter of a Llama-3-8B batch-1 step (1.9 of 7.6 ms of kernel time).
 
-Both compute in fp32 and round as `symphony_os.model`'s torch versions do where it matters:
+All compute in fp32 and round as `symphony_os.model`'s torch versions do where it matters:
 RMSNorm rounds the normalized row to the input dtype before multiplying by the weight, like
-transformers; the rotary embedding rounds once at the end.
+transformers; the residual add rounds its sum to the dtype (the residual stream is kept in it);
+the rotary embedding rounds once at the end.
 """
 from __future__ import annotations
 
@@ -27,6 +28,23 @@ def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, rows_per_outer, stride_outer, s
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     out = weight * normed.to(x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row.to(tl.int64) * N + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+    """Program r: sum = residual[r] + x[r] (rounded to the dtype), out = RMSNorm(sum)."""
+    row = tl.program_id(0).to(tl.int64) * N
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
+    residual = tl.load(residual_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
+    summed = (residual + x).to(sum_ptr.dtype.element_ty)
+    tl.store(sum_ptr + row + cols, summed, mask=mask)
+    s = summed.to(tl.float32)
+    normed = s * tl.rsqrt(tl.sum(s * s, 0) / N + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out = weight * normed.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -62,6 +80,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _rms_norm_kernel[(rows,)](x, weight, out, inner, x.stride(0), stride_inner, eps, N=n, BLOCK=block,
                                   num_warps=min(16, max(1, block // 256)))
     return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(residual + x), residual + x) for contiguous x, residual `[T, N]` of one dtype
+    and weight `[N]`: a layer's residual add and the norm after it, in one pass. Both new."""
+    if x.dim() != 2 or residual.shape != x.shape or not (x.is_contiguous() and residual.is_contiguous()) \
+            or residual.dtype != x.dtype or weight.shape != x.shape[-1:] or weight.dtype != x.dtype:
+        raise ValueError(f"x {tuple(x.shape)}, residual {tuple(residual.shape)} and weight {tuple(weight.shape)} "
+                         "must be contiguous [T, N], [T, N] and [N] of one dtype")
+    n = x.shape[-1]
+    out, summed = torch.empty_like(x), torch.empty_like(x)
+    if x.shape[0]:
+        block = triton.next_power_of_2(n)
+        _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, out, summed, eps, N=n, BLOCK=block,
+                                            num_warps=min(16, max(1, block // 256)))
+    return out, summed
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -93,8 +93,11 @@ def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(scale)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.is_cuda:  # one fused kernel instead of eight
+# The elementwise steps below take `kernel`: True runs the Triton kernel (the model's choice on
+# CUDA; tests run it on the CPU under TRITON_INTERPRET), False torch's own ops.
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel: bool = False) -> torch.Tensor:
+    if kernel:  # one fused kernel instead of eight
         from .kernels.norm_rope import rms_norm as fused_rms_norm
         return fused_rms_norm(x, weight, eps)
     # In float32 like transformers, then back: keeps logits within 1e-4 of the reference.
@@ -103,9 +106,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x): a sublayer's output added to the residual
+    stream, and the norm of the sum, which the next sublayer reads."""
+    if kernel:  # one kernel instead of two
+        from .kernels.norm_rope import add_rms_norm as fused_add_rms_norm
+        return fused_add_rms_norm(x, residual, weight, eps)
+    summed = residual + x
+    return rms_norm(summed, weight, eps), summed
+
+
+def gated(gate_up: torch.Tensor, act, hidden_act: str, kernel: bool = False) -> torch.Tensor:
+    """act(gate) * up of the fused gate/up projection's output [T, 2 * I] (gate first)."""
+    if kernel and hidden_act == "silu":  # one kernel instead of two
+        from .kernels.activation import silu_mul
+        return silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return act(gate) * up
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: bool = False) -> torch.Tensor:
     """x [T, heads, D]; cos/sin [T, 1, D] (rotate-half layout, as Hugging Face checkpoints use)."""
-    if x.is_cuda:  # one fused kernel instead of five
+    if kernel:  # one fused kernel instead of five
         from .kernels.norm_rope import rope
         return rope(x, cos, sin)
     half = x.shape[-1] // 2
@@ -130,25 +153,30 @@ class DecoderLayer:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, hidden, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend):
-        cfg = self.cfg
-        x = rms_norm(hidden, self.input_norm, cfg.rms_norm_eps)
+    def forward(self, hidden, residual, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend,
+                kernels: bool = False):
+        """hidden: the last layer's MLP output (layer 0: the embeddings); residual: the stream
+        it adds to (layer 0: None). Returns this layer's (MLP output, residual stream): each
+        add happens in the norm after it, one kernel with `kernels`."""
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        if residual is None:
+            residual, x = hidden, rms_norm(hidden, self.input_norm, eps, kernels)
+        else:
+            x, residual = add_rms_norm(hidden, residual, self.input_norm, eps, kernels)
         qkv = self.qkv(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+            q = rms_norm(q, self.q_norm, eps, kernels)
+            k = rms_norm(k, self.k_norm, eps, kernels)
+        q = apply_rope(q, cos, sin, kernels)
+        k = apply_rope(k, cos, sin, kernels)
         backend.store(k, v, k_cache, v_cache, meta)
         attn = backend.attend(q, k_cache, v_cache, meta, self.scale, sliding=self.sliding)
-        hidden = hidden + self.o(attn.reshape(-1, self.q_size))
-        x = rms_norm(hidden, self.post_norm, cfg.rms_norm_eps)
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return hidden + self.down(self.act(gate) * up)
+        x, residual = add_rms_norm(self.o(attn.reshape(-1, self.q_size)), residual, self.post_norm, eps, kernels)
+        return self.down(gated(self.gate_up(x), self.act, cfg.hidden_act, kernels)), residual
 
 
 class DecoderModel:
@@ -168,6 +196,8 @@ class DecoderModel:
         ]
         self.inv_freq = inv_freq.to(self.embed.device)
         self.rope_scale = rope_scale
+        # Norms, RoPE and the gate through the Triton kernels (kernels/norm_rope.py, activation.py).
+        self.kernels = self.embed.is_cuda
 
     @property
     def dtype(self) -> torch.dtype:
@@ -186,12 +216,13 @@ class DecoderModel:
         cos = (emb.cos() * self.rope_scale).to(self.dtype)
         sin = (emb.sin() * self.rope_scale).to(self.dtype)
         backend.prepare(meta)
-        hidden = F.embedding(input_ids, self.embed)
+        hidden, residual = F.embedding(input_ids, self.embed), None
         for i, layer in enumerate(self.layers):
-            hidden = layer.forward(hidden, cos, sin, pool.k[i], pool.v[i], meta, backend)
-        return hidden
+            hidden, residual = layer.forward(hidden, residual, cos, sin, pool.k[i], pool.v[i], meta, backend,
+                                             self.kernels)
+        return hidden if residual is None else residual + hidden  # (a model of no layers)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
-        return self.lm_head(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)).float()
+        return self.lm_head(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps, self.kernels)).float()

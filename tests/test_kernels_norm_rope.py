@@ -1,12 +1,12 @@
-"""The fused RMSNorm and rotary-embedding kernels against the model's torch versions (which
-the parity tests check against transformers), on contiguous rows and on heads sliced out of
-a fused qkv projection."""
+"""The fused RMSNorm (alone and after the residual add) and rotary-embedding kernels against the
+model's torch versions (which the parity tests check against transformers), on contiguous rows
+and on heads sliced out of a fused qkv projection."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from symphony_os.kernels.norm_rope import rms_norm, rope
+from symphony_os.kernels.norm_rope import add_rms_norm, rms_norm, rope
 from symphony_os.model import apply_rope
 from symphony_os.model import rms_norm as torch_rms_norm
 
@@ -31,6 +31,29 @@ def test_rms_norm_of_rows_matches_torch(num_tokens, hidden, dtype, tolerance):
     out = rms_norm(x.to(DEVICE), weight.to(DEVICE), 1e-5)
     assert out.shape == x.shape and out.dtype == dtype and not out.isnan().any()
     assert relative_error(out, torch_rms_norm(x, weight, 1e-5)) < tolerance
+
+
+@pytest.mark.parametrize("dtype, tolerance", CASES)
+@pytest.mark.parametrize("num_tokens, hidden", [(1, 64), (7, 200), (33, 1024)])
+def test_add_rms_norm_returns_the_norm_of_the_sum_and_the_sum(num_tokens, hidden, dtype, tolerance):
+    generator = torch.Generator().manual_seed(hidden + 1)
+    x = (3 * torch.randn(num_tokens, hidden, generator=generator)).to(dtype)
+    residual = (10 * torch.randn(num_tokens, hidden, generator=generator)).to(dtype)
+    weight = (1 + torch.randn(hidden, generator=generator) / 4).to(dtype)
+    inputs = [t.to(DEVICE) for t in (x, residual)]
+    normed, summed = add_rms_norm(*inputs, weight.to(DEVICE), 1e-5)
+    assert torch.equal(summed.cpu(), residual + x)  # rounded to the dtype, as torch's add rounds
+    assert torch.equal(inputs[1].cpu(), residual)  # out of place
+    assert normed.shape == x.shape and normed.dtype == dtype
+    assert relative_error(normed, torch_rms_norm(residual + x, weight, 1e-5)) < tolerance
+
+
+def test_add_rms_norm_refuses_what_it_cannot_read():
+    rows = torch.ones(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="contiguous"):
+        add_rms_norm(rows.t(), rows.t(), torch.ones(4, device=DEVICE), 1e-5)
+    with pytest.raises(ValueError, match="one dtype"):
+        add_rms_norm(rows, rows.double(), torch.ones(8, device=DEVICE), 1e-5)
 
 
 @pytest.mark.parametrize("dtype, tolerance", CASES)

@@ -46,9 +46,13 @@ ON_CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_availa
 
 
 def assert_matches_transformers(path, prompt: list[int], steps: int = 20, device: str = "cpu",
-                                reference_model=None, **engine_kwargs) -> None:
-    """`reference_model`: transformers' model on the same weights (default: loaded from `path`)."""
+                                reference_model=None, kernels: bool | None = None, **engine_kwargs) -> None:
+    """`reference_model`: transformers' model on the same weights (default: loaded from `path`);
+    `kernels`: the model's elementwise steps through the Triton kernels or not (default: as the
+    device chooses)."""
     engine = Engine.from_path(path, device=device, dtype="float32", **engine_kwargs)
+    if kernels is not None:
+        engine.loaded.model.kernels = kernels
     ours, tokens = _our_logits(engine, prompt, steps)
     if reference_model is None:
         reference_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -123,6 +127,16 @@ def test_loading_errors_are_clear(tmp_path):
 
 ON_CPU_INTERPRETED = pytest.param("cpu", marks=pytest.mark.skipif(
     torch.cuda.is_available(), reason="with a GPU, Triton runs kernels there, not on CPU tensors (no interpreter)"))
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen3-qk-norm", "llama-tanh-gelu"])
+def test_the_elementwise_kernels_match_transformers(name, tmp_path):
+    """Norms (after the residual add too, and of q/k heads), RoPE and the SiLU gate through the
+    Triton kernels, as on CUDA, here in the interpreter (a GELU model keeps torch's gate)."""
+    model_type, overrides = MODELS[name]
+    path = build_hf_model(tmp_path, model_type, **overrides)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert_matches_transformers(path, PROMPT, steps=3, device=device, kernels=True, page_size=4, num_pages=64)
 
 
 @pytest.mark.parametrize("device", [ON_CPU_INTERPRETED, ON_CUDA])
