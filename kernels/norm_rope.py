@@ -16,6 +16,14 @@ import triton.language as tl
 
 
 @triton.jit
+def _normalized(x, weight_ptr, out_ptr, cols, mask, eps, N: tl.constexpr):
+    """RMSNorm of the fp32 row x, rounded to out's dtype before and after the weight."""
+    normed = x * tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return (weight * normed.to(out_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, rows_per_outer, stride_outer, stride_inner, eps,
                      N: tl.constexpr, BLOCK: tl.constexpr):
     """Program r: row r of x viewed as [outer, inner, N] (row r = outer r // inner, inner r % inner)."""
@@ -24,10 +32,7 @@ def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, rows_per_outer, stride_outer, s
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(x_ptr + offset + cols, mask=mask, other=0.0).to(tl.float32)
-    normed = x * tl.rsqrt(tl.sum(x * x, 0) / N + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    out = weight * normed.to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row.to(tl.int64) * N + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row.to(tl.int64) * N + cols, _normalized(x, weight_ptr, out_ptr, cols, mask, eps, N), mask=mask)
 
 
 @triton.jit
@@ -40,11 +45,8 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, eps,
     residual = tl.load(residual_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
     summed = (residual + x).to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + row + cols, summed, mask=mask)
-    s = summed.to(tl.float32)
-    normed = s * tl.rsqrt(tl.sum(s * s, 0) / N + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    out = weight * normed.to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row + cols, _normalized(summed.to(tl.float32), weight_ptr, out_ptr, cols, mask, eps, N),
+             mask=mask)
 
 
 @triton.jit
