@@ -223,10 +223,16 @@ def run(program, args, model_path, device, dtype, attention, page_size, kv_pages
               help="Seconds before a process whose client vanished is killed (unless launched detached).")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1),
               help="Scheduler threads polling LIP processes.")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              help="A name clients reach the server by, besides loopback and --host (repeatable; '*': any). "
+                   "Without --tenants, requests to other names are refused (DNS rebinding).")
+@click.option("--allowed-origin", "allowed_origins", multiple=True, metavar="ORIGIN",
+              help="A web origin whose pages may call the API, e.g. https://app.example (repeatable; '*': any). "
+                   "Without --tenants, browsers' requests from other sites are refused.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
 def serve(model_path, device, dtype, attention, page_size, kv_pages, host, port, tenants_file, data_dir, grace_s,
-          workers, log_level):
+          workers, allowed_hosts, allowed_origins, log_level):
     """Serve LIPs to many tenants over HTTP and WebSocket, with OpenAI-compatible endpoints
     under /v1 (API description at /docs and /openapi.json)."""
     if not grace_s < math.inf:  # (NaN too: vanished clients' processes would never be killed)
@@ -242,10 +248,13 @@ def serve(model_path, device, dtype, attention, page_size, kv_pages, host, port,
     except TenantsFileError as error:
         raise click.ClickException(str(error)) from error
     if not tenants_file and not _is_loopback(host):
+        names = "a loopback name" + ("" if host in ("0.0.0.0", "::") else f", {host}")
         click.echo(f"symphony serve: warning: listening on {host} without --tenants: anyone who can reach "
-                   "the port may run programs, with no token and no quotas", err=True)
+                   "the port may run programs, with no token and no quotas (requests must name this server "
+                   f"by {names} or an --allowed-host)", err=True)
     engine = _make_engine(model_path, device, dtype, attention, page_size, kv_pages)
-    config = ServerConfig(grace_s=grace_s, data_dir=Path(data_dir) if data_dir else None, workers=workers)
+    config = ServerConfig(grace_s=grace_s, data_dir=Path(data_dir) if data_dir else None, workers=workers,
+                          bind_host=host, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins)
     logs.configure(log_level)
     uvicorn.run(create_app(engine, tenants, config), host=host, port=port, log_config=None, log_level=log_level)
 

@@ -31,7 +31,6 @@ log = logging.getLogger("symphony.openai")
 
 MAX_COMPLETION_TOKENS = 4096
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request looks whether its client is still there
-MAX_BODY_BYTES = 4 * 2**20  # a request's JSON body: bounds the parsing, tokenizing and templating it costs
 FALLBACK_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                           "{% if add_generation_prompt %}assistant:{% endif %}")
 
@@ -80,15 +79,7 @@ class ChatBody(SamplingBody):
 
 
 async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
-    length = request.headers.get("content-length")
-    too_big = OpenAIError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise too_big
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise too_big
+    body = await request.body()  # its size bounded already (http_guard.py)
     try:
         data = json.loads(body)
         _check_encodable(data)

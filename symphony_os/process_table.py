@@ -104,6 +104,7 @@ class FrameBuffer:
 
 @dataclass(eq=False)
 class ServedProcess:
+    pid: int  # the tenant's own numbering: a tenant learns nothing of how many processes others run
     tenant: Tenant
     program: StoredProgram
     args: list[str]
@@ -119,16 +120,12 @@ class ServedProcess:
     log_tail: str = ""
 
     @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
     def running(self) -> bool:
         return self.ended_at is None
 
     def info(self) -> dict:
         p = self.process
-        return {"pid": p.pid, "tenant": self.tenant.name, "program": self.program.sha256,
+        return {"pid": self.pid, "tenant": self.tenant.name, "program": self.program.sha256,
                 "name": self.program.name, "args": self.args, "state": p.state.value,
                 "exit_code": p.exit_code, "end_reason": p.end_reason, "detached": self.detached,
                 "attached": self.attached, "cpu_time_s": round(p.cpu_time_s, 4),
@@ -142,7 +139,8 @@ class ProcessTable:
         self.loop = loop
         self.grace_s = grace_s
         self.retention_s = retention_s
-        self.records: dict[int, ServedProcess] = {}
+        self.records: dict[tuple[str, int], ServedProcess] = {}  # (tenant, pid) -> its process
+        self._last_pid: dict[str, int] = {}  # tenant -> the pid it was given last
         self.ended_per_tenant = ENDED_PER_TENANT
         self.ended_bytes_per_tenant = ENDED_BYTES_PER_TENANT
         self._ended: dict[str, deque[int]] = {}  # tenant -> pids of its ended processes, oldest first
@@ -155,22 +153,23 @@ class ProcessTable:
         bounds its frames waiting for a client (None: unbounded, for a caller that bounds them
         itself)."""
         self.check_process_quota(tenant)
-        record = ServedProcess(tenant, stored, list(args), detached, frames=FrameBuffer(buffer_bytes))
+        pid = self._last_pid.get(tenant.name, 0) + 1
+        record = ServedProcess(pid, tenant, stored, list(args), detached, frames=FrameBuffer(buffer_bytes))
         hop = self.loop.call_soon_threadsafe
         record.process = self.runtime.spawn(
             program, args, env, tenant=tenant.name, limits=tenant.quotas.process_limits(self.runtime.limits),
             on_output=lambda data: hop(self._push, record, {"type": "output", "data": data}),
             on_log=lambda text: hop(self._on_log, record, text),
             on_exit=lambda process: hop(self._on_exit, record))
-        self.records[record.pid] = record
-        event(log, "process launched", pid=record.pid, tenant=tenant.name, program=stored.sha256,
-              name=stored.name, detached=detached)
+        self._last_pid[tenant.name] = pid
+        self.records[(tenant.name, pid)] = record
+        event(log, "process launched", pid=pid, tenant=tenant.name, runtime_pid=record.process.pid,
+              program=stored.sha256, name=stored.name, detached=detached)
         return record
 
     def get(self, tenant: str, pid: int) -> ServedProcess | None:
         """The process, if it exists and belongs to `tenant` (others' are invisible)."""
-        record = self.records.get(pid)
-        return record if record is not None and record.tenant.name == tenant else None
+        return self.records.get((tenant, pid))
 
     def list(self, tenant: str, include_ended: bool = False) -> list[ServedProcess]:
         return [r for r in self.records.values() if r.tenant.name == tenant and (include_ended or r.running)]
@@ -231,7 +230,7 @@ class ProcessTable:
         process = record.process
         record.ended_at = time.monotonic()
         self.runtime.wait(process, 0)  # forget it in the runtime's table
-        event(log, "process ended", pid=process.pid, tenant=record.tenant.name, state=process.state.value,
+        event(log, "process ended", pid=record.pid, tenant=record.tenant.name, state=process.state.value,
               code=process.exit_code, reason=process.end_reason, cpu_time_s=round(process.cpu_time_s, 4))
         record.exit_frame = {"type": "exit", "code": process.exit_code, "state": process.state.value,
                              "reason": process.end_reason}
@@ -245,13 +244,14 @@ class ProcessTable:
         the oldest first; an attached one stays until the reaper takes it."""
         ended = self._ended.setdefault(record.tenant.name, deque())
         ended.append(record.pid)
-        held = sum(old.frames.bytes for old in map(self.records.get, ended) if old is not None)
+        tenant = record.tenant.name
+        held = sum(old.frames.bytes for old in (self.records.get((tenant, pid)) for pid in ended) if old is not None)
         while len(ended) > self.ended_per_tenant or (held > self.ended_bytes_per_tenant and len(ended) > 1):
-            old = self.records.get(ended.popleft())
+            old = self.records.get((tenant, ended.popleft()))
             if old is not None:
                 held -= old.frames.bytes
                 if not old.attached:
-                    del self.records[old.pid]
+                    del self.records[(tenant, old.pid)]
 
     # ---- housekeeping ----
 
@@ -268,7 +268,7 @@ class ProcessTable:
                 continue
             keep = self.retention_s if record.detached and not record.exit_delivered else self.grace_s
             if now - record.ended_at > keep:
-                self.records.pop(record.pid, None)
+                self.records.pop((record.tenant.name, record.pid), None)
 
     async def reap_forever(self, interval_s: float = 0.2) -> None:
         while True:

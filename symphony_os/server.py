@@ -41,7 +41,8 @@ from .process_table import AlreadyAttached, FrameBuffer, ProcessTable, ServedPro
 from .program import ProgramError
 from .program_store import ProgramStore, StoredProgram
 from .runtime import Runtime
-from .server_state import UPLOADS_IN_PROGRESS_PER_TENANT, ServerConfig, ServerState, StateDep, TenantDep, bearer_token
+from .http_guard import Origins, RequestGuard, bearer_token
+from .server_state import UPLOADS_IN_PROGRESS_PER_TENANT, ServerConfig, ServerState, StateDep, TenantDep
 from .tenants import QuotaExceeded, Tenant, Tenants
 
 log = logging.getLogger("symphony.server")
@@ -61,6 +62,21 @@ class LaunchRequest(BaseModel):
 class ShareRequest(BaseModel):
     path: str
     tenants: list[str] = Field(description="tenants that may open it read-only ('*': all); [] un-shares")
+
+
+def _launch_arguments_problem(args: list[str], env: dict[str, str]) -> str | None:
+    """Why a process cannot get these args and env (None: it can): they become C strings of
+    UTF-8 in the guest's memory (argv, environ), at most MAX_ARG_BYTES of them."""
+    strings = [*args, *env, *env.values()]
+    try:
+        size = sum(len(s.encode()) for s in strings)
+    except UnicodeEncodeError:  # JSON may escape a lone UTF-16 surrogate ("\ud800")
+        return "args and env must be text: a lone UTF-16 surrogate is not"
+    if size > MAX_ARG_BYTES:
+        return f"args and env take at most {MAX_ARG_BYTES} bytes of UTF-8, these take {size}"
+    if any("\0" in s for s in strings) or any("=" in k for k in env):
+        return "args and env must not contain NUL bytes, env names no '='"
+    return None
 
 
 def _process_or_404(state: ServerState, tenant: Tenant, pid: int) -> ServedProcess:
@@ -114,6 +130,9 @@ def create_app(engine: Engine, tenants: Tenants | None = None, config: ServerCon
     app = FastAPI(title="Symphony", version="0.1.0", lifespan=lifespan,
                   description="Serve LLM inference programs (WebAssembly LIPs), not prompts.")
     app.include_router(openai_router)
+    checks_origins = tenants.open_access or config.allowed_hosts or config.allowed_origins
+    app.add_middleware(RequestGuard, tenants=tenants, origins=Origins.for_server(
+        config.bind_host, config.allowed_hosts, config.allowed_origins) if checks_origins else None)
 
     # ---- programs ----
 
@@ -180,10 +199,9 @@ def create_app(engine: Engine, tenants: Tenants | None = None, config: ServerCon
         program = state.store.program(tenant.name, body.program)
         if program is None:
             raise HTTPException(404, f"no program {body.program} uploaded by tenant {tenant.name!r}")
-        if sum(len(a.encode()) for a in body.args) + sum(len(k) + len(v) for k, v in body.env.items()) > MAX_ARG_BYTES:
-            raise HTTPException(400, f"args and env take at most {MAX_ARG_BYTES} bytes")
-        if any("\0" in s for s in [*body.args, *body.env, *body.env.values()]) or any("=" in k for k in body.env):
-            raise HTTPException(400, "args and env must not contain NUL bytes, env names no '='")
+        problem = _launch_arguments_problem(body.args, body.env)
+        if problem is not None:
+            raise HTTPException(400, problem)
         try:
             record = state.table.launch(tenant, program, state.store.get(tenant.name, body.program),
                                         body.args, body.env, body.detached)

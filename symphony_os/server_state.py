@@ -11,6 +11,7 @@ from fastapi import Depends, HTTPException, Request
 
 from .completion import CompletionCounters
 from .engine import Engine
+from .http_guard import bearer_token
 from .limits import ProcessLimits
 from .process_table import ProcessTable
 from .program import MAX_MODULE_BYTES, Program
@@ -34,6 +35,11 @@ class ServerConfig:
     limits: ProcessLimits = ProcessLimits()  # each process's, before its tenant's quotas (tenants.py)
     compile_time_s: float = 30.0  # an upload whose compilation takes longer is refused
     input_wait_s: float = 30.0  # a message for a full inbox waits this long for the process to read
+    # Where requests may come from (http_guard.py): checked on a server without tenants, or
+    # when either list is given. bind_host: the address the server listens on, one of its names.
+    bind_host: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
 
 
 @dataclass
@@ -59,12 +65,6 @@ class ServerState:
 
 def state_of(request: Request) -> ServerState:
     return request.app.state.symphony
-
-
-def bearer_token(header: str | None) -> str | None:
-    if header and header[:7].lower() == "bearer ":
-        return header[7:].strip()
-    return None
 
 
 def tenant_of(request: Request) -> Tenant:

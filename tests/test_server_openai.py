@@ -3,14 +3,13 @@ streamed chat completions, sampling options, automatic prefix reuse, and OpenAI-
 import asyncio
 import json
 import threading
-import time
 
 import httpx
 import openai
 import pytest
 
 from guests import lip
-from served import SMALL_QUOTAS, TOKENS, served  # noqa: F401 (fixture)
+from served import SMALL_QUOTAS, TOKENS, served, wait_until  # noqa: F401 (fixture)
 from symphony_os.client import Client
 from symphony_os.completion import BranchText
 
@@ -267,19 +266,28 @@ def test_concurrent_streams_over_the_process_quota_are_refused_with_a_403(served
     assert any(status == 200 for status, _ in answers) and any(status == 403 for status, _ in answers)
 
 
-def test_a_completion_whose_client_left_is_stopped(served):
+def test_a_completion_whose_client_left_is_stopped(served, monkeypatch):
     """A non-streamed request ran to its end (seconds of decoding, hundreds of KV pages) after
-    its client had given up; now its process is killed once the client is gone."""
+    its client had given up; now its process is killed once the client is gone. No forward
+    pass runs until then, so the request cannot end first however fast the machine is."""
     table = served.app.state.symphony.table
     before = {record.pid for record in table.list("carol", include_ended=True)}
+    gate, run = threading.Event(), served.engine.runner.run
+
+    def held_back(seqs):
+        gate.wait(60)
+        return run(seqs)
+
+    monkeypatch.setattr(served.engine.runner, "run", held_back)
     body = {"model": "stories260K", "prompt": PROMPT, "max_tokens": 400, "n": 16, "temperature": 1}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(served.url + "/v1/completions", json=body, timeout=0.5,
-                   headers={"Authorization": f"Bearer {TOKENS['carol']}"})
-    [record] = [r for r in table.list("carol", include_ended=True) if r.pid not in before]
-    deadline = time.monotonic() + 60
-    while record.running and time.monotonic() < deadline:
-        time.sleep(0.05)
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(served.url + "/v1/completions", json=body, timeout=0.5,
+                       headers={"Authorization": f"Bearer {TOKENS['carol']}"})
+        [record] = [r for r in table.list("carol", include_ended=True) if r.pid not in before]
+        assert wait_until(lambda: record.process.end_reason is not None, timeout_s=60)
+    finally:
+        gate.set()
     assert "the request went away" in record.process.end_reason
 
 

@@ -2,12 +2,12 @@
 programs, processes and KV files refused), read-only sharing, and quotas."""
 import asyncio
 import struct
+import threading
 
 import httpx
 import pytest
 
-from guests import lip, wat
-from hostile import slow_to_compile
+from guests import ECHO, lip, wat
 from served import SMALL_QUOTAS, TIGHT_QUOTAS, TOKENS, served, wait_until  # noqa: F401 (fixture)
 from symphony_os.client import AsyncClient, Client, ServerError
 
@@ -234,26 +234,57 @@ def test_a_tenants_uploads_in_progress_hold_at_most_two_modules_of_memory(served
     assert in_progress["alice"] == 0
 
 
-def test_a_tenants_slow_compiles_take_one_slot_not_every_one(served):
+def test_a_tenants_slow_compiles_take_one_slot_not_every_one(served, monkeypatch):
     """Uploads compile two at a time; a tenant's queue of modules slow to compile took both
     slots, one after another, and another tenant's upload waited behind all of them. A tenant
-    now compiles one at a time, so the other's goes through the free slot."""
-    slow = [slow_to_compile(3000 + i) for i in range(4)]  # distinct: none is already compiled
-    tiny = wat('(module (memory (export "memory") 1) (func (export "_start")) (func (export "bob") ))')
+    now compiles one at a time, so the other's goes through the free slot. Carol's compiles are
+    held until dave's upload is answered: the order does not depend on how fast cranelift is."""
+    state = served.app.state.symphony
+    compile_program, release = state.store.add, threading.Event()
+    held = []  # carol's compiles that started, each held until `release`
+
+    def add(tenant, data, name, quota_bytes):
+        if tenant == "carol":
+            held.append(name)
+            release.wait()
+        return compile_program(tenant, data, name, quota_bytes)
+
+    monkeypatch.setattr(state.store, "add", add)
+    slow = [wat(f'(module (memory (export "memory") 1) (func (export "_start")) (func (export "carol{i}")))')
+            for i in range(4)]  # distinct: none is already compiled
+    tiny = wat('(module (memory (export "memory") 1) (func (export "_start")) (func (export "dave") ))')
 
     async def scenario():
-        done = []
-
-        async def upload(client, module, label):
-            await client.upload(module, label)
-            done.append(label)
-
         async with AsyncClient(served.url, TOKENS["carol"]) as carol, AsyncClient(served.url, TOKENS["dave"]) as dave:
-            slow_ones = [asyncio.create_task(upload(carol, m, f"slow{i}")) for i, m in enumerate(slow)]
-            await asyncio.sleep(0.5)  # carol's uploads are in: one compiling, three waiting their turn
-            await upload(dave, tiny, "tiny")
-            await asyncio.gather(*slow_ones)
-        return done
+            slow_ones = [asyncio.create_task(carol.upload(m, f"slow{i}")) for i, m in enumerate(slow)]
+            try:
+                # Every body is in (each handler then waits for a slot) and a compile holds one.
+                while state.uploading.get("carol", 0) < sum(map(len, slow)) or not held:
+                    await asyncio.sleep(0.01)
+                # Holding both slots, carol would keep dave waiting until released: a deadlock
+                # here, ended by the timeout, which only a failing server reaches.
+                stored = await asyncio.wait_for(dave.upload(tiny, "tiny"), 60)
+                return stored, list(held)
+            finally:
+                release.set()
+                await asyncio.gather(*slow_ones)
 
-    done = asyncio.run(scenario())
-    assert done.index("tiny") <= 1, done  # at most carol's first finished before it
+    stored, held_meanwhile = asyncio.run(scenario())
+    assert stored["name"] == "tiny" and len(held_meanwhile) == 1, held_meanwhile  # carol compiled one at a time
+
+
+def test_each_tenant_numbers_its_own_processes(served, clients):
+    """pids were one counter for the whole server: a tenant learned from its own pids how many
+    processes the others ran. Each tenant's now count 1, 2, 3... by themselves, and the same
+    number names another tenant's process or none."""
+    bob = clients["bob"]
+    echo = bob.upload(ECHO, "echo")["sha256"]
+    first = bob.launch(echo, detached=True)["pid"]
+    with Client(served.url, TOKENS["carol"]) as carol:
+        program = carol.upload(ECHO, "echo")["sha256"]
+        for _ in range(3):
+            carol.kill(carol.launch(program, detached=True)["pid"])
+    second = bob.launch(echo, detached=True)["pid"]
+    assert second == first + 1  # carol's three launches in between do not show
+    bob.kill(first)
+    bob.kill(second)
