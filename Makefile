@@ -82,11 +82,14 @@ default-model: install
 test: lips
 	$(PY) -m pytest -q
 
-# Fuzz the host (tests/fuzzing.py) for SECONDS: host calls from a guest, and module bytes on the
-# upload path; prints inputs run, inputs/s and line coverage. `make test` runs a short seeded budget.
+# Coverage-guided fuzzing of the host (tests/fuzz.py: atheris, libFuzzer for Python) for SECONDS
+# each: host calls from a guest, then module bytes on the upload path. A failing input is written
+# to fuzz-artifacts/. `make test` runs a short seeded budget of both (tests/test_fuzz.py).
 SECONDS ?= 60
 fuzz: lips
-	$(PY) tests/fuzz.py --seconds $(SECONDS)
+	mkdir -p fuzz-artifacts
+	$(PY) tests/fuzz.py --target hostcalls --seconds $(SECONDS) --artifacts fuzz-artifacts
+	$(PY) tests/fuzz.py --target modules --seconds $(SECONDS) --artifacts fuzz-artifacts
 
 # The paper's comparisons, programs against prompts on one server (bench/paper.py, bench/README.md);
 # bench-quick is the under-10-minute version. bench-engine: the engine against transformers' generate.

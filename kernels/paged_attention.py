@@ -10,6 +10,9 @@ Both kernels put the query heads that share one kv head (the GQA group) into the
 tile, so each K/V tile gathered from the pool serves the whole group. Softmax is online, in fp32
 and base 2 (`exp2`, with log2(e) folded into the scale); K/V tiles are gathered token by token
 through the page table, so any page size works and a tile may span pages.
+
+Sliding windows (Mistral, Qwen2/3's sliding layers): with `window` w, the query at absolute
+index p sees keys p - w + 1 .. p only, and the key loop starts at the first tile holding one.
 """
 from __future__ import annotations
 
@@ -31,11 +34,12 @@ MIN_TOKENS_PER_SPLIT = 256  # split-K below this costs more in the combine than 
 @triton.jit
 def _attend_tile(acc, row_max, row_sum, q, k_cache_ptr, v_cache_ptr, page_table_row_ptr,
                  key_start, context_len, query_pos, kv_head,
-                 stride_page, stride_slot, stride_head, qk_scale,
+                 stride_page, stride_slot, stride_head, qk_scale, window,
                  PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """One online-softmax step: rows of `q` [BLOCK_M, BLOCK_D] against keys
-    key_start .. key_start + BLOCK_N; row r sees key i when i < context_len and i <= query_pos[r]."""
+    key_start .. key_start + BLOCK_N; row r sees key i when i < context_len and i <= query_pos[r]
+    (and, with a window, i > query_pos[r] - window)."""
     key_index = key_start + tl.arange(0, BLOCK_N)
     key_valid = key_index < context_len
     page = tl.load(page_table_row_ptr + key_index // PAGE_SIZE, mask=key_valid, other=0).to(tl.int64)
@@ -48,6 +52,8 @@ def _attend_tile(acc, row_max, row_sum, q, k_cache_ptr, v_cache_ptr, page_table_
 
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N], log2 units
     visible = key_valid[None, :] & (key_index[None, :] <= query_pos[:, None])
+    if HAS_WINDOW:
+        visible = visible & (key_index[None, :] > query_pos[:, None] - window)
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, 1))
     correction = tl.exp2(row_max - new_max)
@@ -60,12 +66,12 @@ def _attend_tile(acc, row_max, row_sum, q, k_cache_ptr, v_cache_ptr, page_table_
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, context_lens_ptr,
                    out_ptr, partial_out_ptr, partial_lse_ptr,
-                   qk_scale, tokens_per_split,
+                   qk_scale, tokens_per_split, window,
                    stride_q_seq, stride_q_head, stride_out_seq, stride_out_head,
                    stride_page, stride_slot, stride_head, stride_table_seq,
                    GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Program (seq, kv_head, split): the GQA group of `seq` over keys of one split."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -73,6 +79,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, context_lens
     context_len = tl.load(context_lens_ptr + seq)
     key_begin = split * tokens_per_split
     key_end = tl.minimum(key_begin + tokens_per_split, context_len)
+    if HAS_WINDOW:  # from the tile of the window's first key (tiles stay within their split)
+        key_begin = tl.maximum(key_begin, (context_len - window) // BLOCK_N * BLOCK_N)
 
     rows = tl.arange(0, BLOCK_M)
     head = kv_head * GROUP + rows
@@ -88,8 +96,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, context_lens
     for key_start in range(key_begin, key_end, BLOCK_N):
         acc, row_max, row_sum = _attend_tile(
             acc, row_max, row_sum, q, k_cache_ptr, v_cache_ptr, page_table_ptr + seq * stride_table_seq,
-            key_start, context_len, query_pos, kv_head, stride_page, stride_slot, stride_head, qk_scale,
-            PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION)
+            key_start, context_len, query_pos, kv_head, stride_page, stride_slot, stride_head, qk_scale, window,
+            PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, HAS_WINDOW)
 
     # A split with no keys (or a sequence of length 0) has row_sum 0 and acc 0: output 0.
     out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
@@ -145,12 +153,12 @@ def _find_sequence(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q: tl.co
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, query_start_loc_ptr, context_lens_ptr,
-                    out_ptr, qk_scale, num_seqs,
+                    out_ptr, qk_scale, num_seqs, window,
                     stride_q_token, stride_q_head, stride_out_token, stride_out_head,
                     stride_page, stride_slot, stride_head, stride_table_seq,
                     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Program (query block, kv_head): BLOCK_Q query tokens of one sequence times the GQA group.
     Row r of the tile is query token r // GROUP of the block and head kv_head * GROUP + r % GROUP."""
     kv_head = tl.program_id(1)
@@ -176,11 +184,15 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, query_start
         row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         # Causal: the block's last query token sees keys up to its own absolute index.
         key_end = tl.minimum(context_len, context_len - query_len + (q_block + 1) * BLOCK_Q)
-        for key_start in range(0, key_end, BLOCK_N):
+        key_begin = 0
+        if HAS_WINDOW:  # from the tile of the first key the block's first query token sees
+            first_seen = context_len - query_len + q_block * BLOCK_Q - window + 1
+            key_begin = tl.maximum(first_seen, 0) // BLOCK_N * BLOCK_N
+        for key_start in range(key_begin, key_end, BLOCK_N):
             acc, row_max, row_sum = _attend_tile(
                 acc, row_max, row_sum, q, k_cache_ptr, v_cache_ptr, page_table_ptr + seq * stride_table_seq,
-                key_start, context_len, query_pos, kv_head, stride_page, stride_slot, stride_head, qk_scale,
-                PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION)
+                key_start, context_len, query_pos, kv_head, stride_page, stride_slot, stride_head, qk_scale, window,
+                PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, HAS_WINDOW)
 
         out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
         out_offset = token[:, None] * stride_out_token + head[:, None] * stride_out_head + dim[None, :]
@@ -200,6 +212,11 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("q and the kv cache need a contiguous last (head_dim) dimension")
     return num_heads // num_kv_heads, head_dim
+
+
+def _check_window(window: int | None) -> None:
+    if window is not None and not (isinstance(window, int) and 1 <= window < 2**31):
+        raise ValueError(f"a sliding window is a number of tokens >= 1, got {window!r}")
 
 
 def _output_for(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -232,7 +249,8 @@ def _default_num_splits(q: torch.Tensor, num_kv_heads: int, max_tokens: int) -> 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, out: torch.Tensor | None = None,
+                           window: int | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV cache.
 
     q `[B, H, D]`; k_cache, v_cache `[num_pages, page_size, Hkv, D]` (q's dtype: fp32, fp16 or
@@ -245,9 +263,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     combined afterwards (split-K, for long contexts at small batch); by default it is chosen
     from the SM count and the page table's width (`max_pages * page_size` tokens), so keep the
     table no wider than the batch needs. `out` (q's shape and dtype, last dim contiguous), when
-    given, receives the result, e.g. a static buffer of a CUDA graph.
+    given, receives the result, e.g. a static buffer of a CUDA graph. `window` (a sliding
+    window, >= 1): the new token sees only the last `window` tokens, itself included.
     """
     group, head_dim = _check_inputs(q, k_cache, v_cache)
+    _check_window(window)
     batch, num_heads, _ = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     max_tokens = page_table.shape[1] * page_size
@@ -265,10 +285,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     params = _tile_params(q, group, head_dim, block_m=16)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, context_lens, out, partial_out, partial_lse,
-        scale * LOG2E, tokens_per_split,
+        scale * LOG2E, tokens_per_split, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
-        NUM_SPLITS=num_splits, PAGE_SIZE=page_size, BLOCK_N=block_n, **params)
+        NUM_SPLITS=num_splits, PAGE_SIZE=page_size, BLOCK_N=block_n, HAS_WINDOW=window is not None, **params)
     if num_splits > 1:
         _combine_splits_kernel[(batch, num_heads)](
             partial_out, partial_lse, out, out.stride(0), out.stride(1),
@@ -280,7 +300,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             page_table: torch.Tensor, query_start_loc: torch.Tensor,
                             context_lens: torch.Tensor, scale: float,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' paged KV caches.
 
     q `[T, H, D]`: the new tokens of B sequences, packed; sequence b owns rows
@@ -290,9 +310,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     and sees cache indices 0 .. that index. Covers prefill, chunked prefill after a cached
     prefix, decode (q_len 1) and mixed batches. k_cache, v_cache, page_table and dtypes as in
     `paged_decode_attention`. Returns `[T, H, D]` in q's dtype (into `out` when given);
-    accumulation is fp32.
+    accumulation is fp32. `window`: as in `paged_decode_attention`, for every query row.
     """
     group, head_dim = _check_inputs(q, k_cache, v_cache)
+    _check_window(window)
     num_tokens = q.shape[0]
     num_seqs = query_start_loc.shape[0] - 1
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
@@ -302,8 +323,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     # Sequence b needs ceil(q_len_b / block_q) blocks; T // block_q + B bounds their sum.
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, page_table, query_start_loc, context_lens, out, scale * LOG2E, num_seqs,
+        q, k_cache, v_cache, page_table, query_start_loc, context_lens, out, scale * LOG2E, num_seqs, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
-        PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_N=PREFILL_BLOCK_N, **params)
+        PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_N=PREFILL_BLOCK_N, HAS_WINDOW=window is not None, **params)
     return out

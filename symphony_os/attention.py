@@ -104,9 +104,9 @@ class TorchAttention:
 
 
 class TritonAttention:
-    """Symphony's Triton kernels (`kernels/`): paged decode with split-K, paged prefill/extend,
-    and K/V stores, reading pages in place (no gather). Meant for CUDA; on CPU it runs only
-    under TRITON_INTERPRET=1 (tests)."""
+    """Symphony's Triton kernels (`kernels/`): paged decode with split-K, paged prefill/extend
+    (both with sliding windows), and K/V stores, reading pages in place (no gather). Meant for
+    CUDA; on CPU it runs only under TRITON_INTERPRET=1 (tests)."""
 
     name = "triton"
 
@@ -124,11 +124,11 @@ class TritonAttention:
         self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, sliding: bool) -> torch.Tensor:
-        if sliding and meta.sliding_window and meta.max_context_len > meta.sliding_window:
-            raise NotImplementedError("the Triton kernels have no sliding window; use --attention torch")
+        window = meta.sliding_window if sliding else None
         if meta.max_query_len == 1:
-            return self._decode(q, k_cache, v_cache, meta.page_table, meta.context_lens, scale)
-        return self._prefill(q, k_cache, v_cache, meta.page_table, meta.query_start_loc, meta.context_lens, scale)
+            return self._decode(q, k_cache, v_cache, meta.page_table, meta.context_lens, scale, window=window)
+        return self._prefill(q, k_cache, v_cache, meta.page_table, meta.query_start_loc, meta.context_lens, scale,
+                             window=window)
 
 
 # Upstream flash-attn 2 refuses a paged cache whose pages hold fewer tokens ("Paged KV cache

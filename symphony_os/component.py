@@ -2,9 +2,10 @@
 guest_sdk/python/wit/symphony.wit, and the process that runs one.
 
 A component runs exactly like a core module: in its own Store, on a wasmtime fiber polled by a
-runtime worker, and its blocking calls (`pred-wait`, `recv`) suspend it until the batch that
-answers them is done, so its `pred`s share batches with every other process. wasmtime-py 50's
-component API has no async host functions, but wasmtime's C API does
+runtime worker, and its blocking calls (`pred-wait`, `recv`, a long `tokenize`) suspend it until
+the batch (or the tokenizer thread) that answers them is done, so its `pred`s share batches with
+every other process. wasmtime-py 50's component API has no async host functions, but wasmtime's
+C API does
 (`wasmtime_component_linker_instance_add_func_async`, `..._func_call_async`,
 `..._linker_instantiate_async`): this module reaches them through ctypes, and reuses
 `fiber.Fiber` for the calls and `fiber.Pending` for the waits.
@@ -514,13 +515,16 @@ class ComponentCalls:
         return self.engine.loaded.name
 
     # tokens
-    def tokenize(self, text: str, add_special: bool) -> list[int]:
+    def tokenize(self, text: str, add_special: bool):
         if len(text) > MAX_TEXT_BYTES:
             raise InvalidArgument(f"tokenize takes at most {MAX_TEXT_BYTES} bytes")
-        ids = self.engine.tokenize(text, add_special_tokens=add_special)
-        if len(ids) > MAX_TOKENS_PER_PRED:  # the result crosses element by element too
-            raise InvalidArgument(f"tokenize gives at most {MAX_TOKENS_PER_PRED} ids; split the text")
-        return ids
+
+        def finish(_memory, ids: list[int]) -> list[int]:
+            if len(ids) > MAX_TOKENS_PER_PRED:  # the result crosses element by element too
+                raise InvalidArgument(f"tokenize gives at most {MAX_TOKENS_PER_PRED} ids; split the text")
+            return ids
+
+        return self.core.tokenized(None, text, add_special, finish, Failed)
 
     def detokenize(self, ids: list[int]) -> str:
         vocab = self.engine.loaded.config.vocab_size
@@ -694,7 +698,7 @@ _INTERFACES: dict[str, dict[str, tuple[Callable, bool]]] = {
     "errors": {},
     "model": {"vocab-size": (ComponentCalls.vocab_size, False), "eos-ids": (ComponentCalls.eos_ids, False),
               "bos-id": (ComponentCalls.bos_id, False), "model-name": (ComponentCalls.model_name, False)},
-    "tokens": {"tokenize": (ComponentCalls.tokenize, False), "detokenize": (ComponentCalls.detokenize, False)},
+    "tokens": {"tokenize": (ComponentCalls.tokenize, True), "detokenize": (ComponentCalls.detokenize, False)},
     "kv": {name.replace("_", "-"): (getattr(ComponentCalls, name), False) for name in (
         "kv_create", "kv_open", "kv_fork", "kv_extract", "kv_merge", "kv_len", "kv_truncate", "kv_close",
         "kv_remove", "kv_hint", "kv_open_prefix", "kv_cache_prefix")},

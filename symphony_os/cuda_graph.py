@@ -37,9 +37,7 @@ class DecodeGraphs:
     def __init__(self, model: DecoderModel, pool: KVPool, backend):
         self.model, self.pool, self.backend = model, pool, backend
         self.max_batch = GRAPH_BATCH_SIZES[-1]
-        # A sliding window longer than every context is no window: graphs stay within it.
-        self.max_context = min(model.cfg.max_position_embeddings, MAX_GRAPH_CONTEXT,
-                               model.cfg.sliding_window or MAX_GRAPH_CONTEXT)
+        self.max_context = min(model.cfg.max_position_embeddings, MAX_GRAPH_CONTEXT)
         self.max_pages = -(-self.max_context // pool.page_size)
         rows = self.max_batch
         # int64 rows: input ids, positions, slots, and the rows whose logits are wanted.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -81,15 +82,19 @@ class Engine:
     """Model + KV pool + KVFS + batch scheduler, driven by `step()` or a background thread."""
 
     def __init__(self, loaded: LoadedModel, page_size: int = 16, num_pages: int | None = None,
-                 token_budget: int = 512, max_batch_size: int = 256, attention: str | None = None):
+                 token_budget: int = 512, max_batch_size: int = 256, attention: str | None = None,
+                 max_model_len: int | None = None):
+        """`max_model_len`: the most tokens a KV file may hold (default: the model's context,
+        `max_position_embeddings`)."""
         self.loaded = loaded
         cfg = loaded.config
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
         self.pool = KVPool(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
             num_pages or default_num_pages(loaded, page_size), page_size,
             loaded.model.dtype, loaded.model.device,
         )
-        self.kvfs = KVFS(self.pool)
+        self.kvfs = KVFS(self.pool, max_file_tokens=self.max_model_len)
         self.scheduler = BatchScheduler(token_budget, max_batch_size)
         self.backend = select_backend(loaded.model.device, attention, page_size, loaded.model.dtype)
         self.runner = ModelRunner(loaded.model, self.pool, self.backend)
@@ -100,6 +105,7 @@ class Engine:
         self._step_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._tokenizer_thread: ThreadPoolExecutor | None = None  # tokenize_later's, made on first use
         self._counters = dict(batches=0, requests=0, sequences=0, tokens=0, queue_wait_s=0.0, forward_s=0.0)
 
     @classmethod
@@ -118,6 +124,29 @@ class Engine:
 
     def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def tokenize_later(self, text: str, add_special_tokens: bool = True) -> PredFuture:
+        """`tokenize` on the engine's tokenizer thread: a future of (token ids, the thread's CPU
+        seconds for them), answered in the order asked. For long texts (a MiB takes 0.5-1.7 s
+        here), whose caller must not hold its own thread that long; the tokenizer releases the
+        GIL while it works."""
+        if self._tokenizer_thread is None:
+            with self._queue_mutex:
+                if self._tokenizer_thread is None:
+                    self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="symphony-tokenize")
+        future = PredFuture()
+
+        def work() -> None:
+            started = time.thread_time()
+            try:
+                ids = self.tokenize(text, add_special_tokens)
+            except BaseException as error:  # the caller's to see (no tokenizer, say)
+                future.set_exception(error)
+                return
+            future.set_result((ids, time.thread_time() - started))
+
+        self._tokenizer_thread.submit(work)
+        return future
 
     def submit(self, session: KvSession, handle: int, tokens: list[int], positions: list[int] | None = None,
                want: Want = GREEDY) -> PredFuture:

@@ -50,6 +50,11 @@ _KIND_OF_TYPE = {str(wasmtime.ValType.i32()): 0, str(wasmtime.ValType.i64()): 1,
 # Room on each fiber stack for the host (ctypes, the interpreter, handlers) beyond what wasm
 # may use: the fiber stacks are reserved lazily, so this costs address space, not memory.
 HOST_STACK_BYTES = 4 << 20
+# A component's call reports a trap as an error whose message ends with the trap's own ("Caused
+# by: wasm trap: call stack exhausted"), with no code: the codes the limits name, by message.
+_TRAP_CODE_OF_MESSAGE = {"call stack exhausted": wasmtime.TrapCode.STACK_OVERFLOW,
+                         "all fuel consumed by WebAssembly": wasmtime.TrapCode.OUT_OF_FUEL,
+                         "interrupt": wasmtime.TrapCode.INTERRUPT}
 
 
 def raw_prototype(name: str, restype, *argtypes):
@@ -669,6 +674,9 @@ class Fiber:
                 self.exit_code, self.result = error.code, []
             else:
                 self.trap = str(error)
+                last_line = self.trap.rstrip().rpartition("\n")[2].strip()
+                if last_line.startswith("wasm trap: "):
+                    self.trap_code = _TRAP_CODE_OF_MESSAGE.get(last_line[len("wasm trap: "):])
             error.close()
         else:
             self.result = self._collect()

@@ -17,6 +17,11 @@ the current batch does not use to host memory (in the same order), and only then
 
 Sharing between tenants: a file's owner may share it read-only with named tenants, who open it
 as `@owner/path` with `OpenFlags.READ_ONLY`.
+
+Size: a file holds at most `max_file_tokens` tokens (the model's context), and page quotas count
+what attending over a tenant's files costs: each distinct page once (forks share), plus every
+further time a file holds the same page (a file merged with itself holds its pages twice: without
+this, 18 merges of a file with itself made four million tokens out of one page).
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ from .errors import (
 from .pool import HostPage, KVPool
 
 MAX_PATH_BYTES = 255
+MAX_POSITION = 2**31 - 1  # positions are 32-bit in the guest ABI and in the kernels
 # Named files a tenant may keep, unless `KVFS.file_quota` says otherwise. An empty named file
 # holds no page, so page quotas do not bound them, and each costs the host ~900 bytes: a guest
 # creating and closing names in a loop (80k a second) would otherwise fill the host's memory.
@@ -106,7 +112,7 @@ class KvFile:
 
     __slots__ = (
         "file_id", "name", "owner", "pages", "length", "runs", "refs", "inflight",
-        "hints", "last_used", "shared_with", "host_pages", "readers", "failed_preds",
+        "hints", "last_used", "shared_with", "host_pages", "readers", "failed_preds", "repeated_pages",
     )
 
     def __init__(self, file_id: int, owner: str, name: str | None, now: float):
@@ -126,6 +132,7 @@ class KvFile:
         self.shared_with: frozenset[str] = frozenset()
         self.readers: dict[tuple[KvSession, int], None] | None = None  # other tenants' handles
         self.failed_preds = 0  # preds on it that failed (and were rolled back)
+        self.repeated_pages = 0  # entries of `pages` that repeat an earlier one (a merge with itself)
 
     @property
     def next_position(self) -> int:
@@ -171,9 +178,10 @@ class KVFS:
     `session(tenant)`; the batch scheduler uses `reserve_slots` / `page_table` / `protect`.
     """
 
-    def __init__(self, pool: KVPool, clock=time.monotonic):
+    def __init__(self, pool: KVPool, clock=time.monotonic, max_file_tokens: int | None = None):
         self.pool = pool
         self.clock = clock
+        self.max_file_tokens = max_file_tokens  # None: files are bounded by the pool and quotas alone
         self.lock = threading.RLock()
         self._files: dict[int, KvFile] = {}
         self._names: dict[tuple[str, str], KvFile] = {}
@@ -190,6 +198,7 @@ class KVFS:
         # Account (quota_account) -> page -> references from its files: kept as pages come and
         # go, so a quota check costs no walk over files and forked pages count once.
         self._held: dict[str, dict[int | HostPage, int]] = {}
+        self._repeated: Counter[str] = Counter()  # account -> its files' repeated_pages, summed
         pool.reclaim = self._reclaim
 
     def session(self, tenant: str = "default", max_handles: int = 4096) -> "KvSession":
@@ -254,9 +263,23 @@ class KVFS:
             else:
                 held[page] -= 1
 
+    def _recount_repeats(self, file: KvFile) -> None:
+        """Keep `file.repeated_pages` and its account's sum in step after `file.pages` changed."""
+        repeated = len(file.pages) - len(set(file.pages))
+        if repeated != file.repeated_pages:
+            self._repeated[quota_account(file.owner)] += repeated - file.repeated_pages
+            file.repeated_pages = repeated
+
+    def charged_pages(self, account: str) -> int:
+        """What `account`'s files cost against its page quota (see the module docstring)."""
+        return len(self._held.get(account, ())) + self._repeated[account]
+
     def _free_file(self, file: KvFile) -> None:
         self._count_pages(file, removed=file.pages)
         self._drop_pages(file.pages)
+        if file.repeated_pages:
+            self._repeated[quota_account(file.owner)] -= file.repeated_pages
+            file.repeated_pages = 0
         file.pages = []
         file.length = 0
         file.runs = []
@@ -324,6 +347,8 @@ class KVFS:
         if n == 0:
             raise InvalidArgument("pred needs at least one token")
         first = positions[0]
+        if positions[-1] > MAX_POSITION:  # a file continued past the 32-bit positions
+            raise PositionError(f"positions end at {MAX_POSITION}; this pred would reach {positions[-1]}")
         if not from_file:
             if file.length > 0:
                 expected = file.next_position
@@ -342,6 +367,7 @@ class KVFS:
     def _grow(self, file: KvFile, n: int, now: float | None = None) -> list[int]:
         """Add `n` token slots at the end of the file (pages allocated, a shared partly filled
         last page copied first) and return their flat slot indices."""
+        self._within_length(file, n)
         page_size = self.pool.page_size
         offset = file.length % page_size
         if offset and offset + n <= page_size and not file.host_pages and self.pool.refcount[file.pages[-1]] == 1:
@@ -363,6 +389,8 @@ class KVFS:
                     file.pages[-1] = self.pool.copy_page(old)
                     self.pool.decref([old])
                     self._count_pages(file, added=[file.pages[-1]], removed=[old])
+                    if file.repeated_pages:  # the old page may have been one of the repeats
+                        self._recount_repeats(file)
                 new_pages = self.pool.allocate(needed)
                 file.pages.extend(new_pages)
                 self._count_pages(file, added=new_pages)
@@ -375,37 +403,45 @@ class KVFS:
         return slots
 
     def pages_of(self, owner: str) -> int:
-        """Distinct pages (in the pool or swapped out) held by the files of `owner`'s quota
-        account: its own and its host-side caches' (quota_account); forked pages count once."""
+        """The pages charged to `owner`'s quota account (its own files and its host-side
+        caches': quota_account): distinct pages in the pool or swapped out, forked pages once,
+        plus the pages a file holds more than once (charged_pages)."""
         with self.lock:
-            return len(self._held.get(quota_account(owner), ()))
+            return self.charged_pages(quota_account(owner))
+
+    def _within_length(self, file: KvFile, more: int) -> None:
+        """Raise LimitExceeded if `more` tokens would take `file` past `max_file_tokens`."""
+        limit = self.max_file_tokens
+        if limit is not None and file.length + more > limit:
+            raise LimitExceeded(f"a KV file holds at most {limit} tokens (the model's context); this one has "
+                                f"{file.length}, {more} more asked for")
 
     def _within_quota(self, owner: str, more: int) -> None:
-        """Raise LimitExceeded unless `owner`'s account may hold `more` new pages, evicting its
-        host-side cache files (least recently used first) to make room."""
+        """Raise LimitExceeded unless `owner`'s account may be charged `more` pages, evicting
+        its host-side cache files (least recently used first) to make room."""
         account = quota_account(owner)
         quota = self.page_quota.get(account)
         if quota is None or more <= 0:
             return
-        held = self._held.get(account, {})
-        if len(held) + more > quota:
-            self._evict_caches_of(account, len(held) + more - quota)
-        if len(held) + more > quota:
-            raise LimitExceeded(f"KV page quota of tenant {account!r}: its files hold {len(held)} of {quota} "
+        if self.charged_pages(account) + more > quota:
+            self._evict_caches_of(account, self.charged_pages(account) + more - quota)
+        charged = self.charged_pages(account)
+        if charged + more > quota:
+            raise LimitExceeded(f"KV page quota of tenant {account!r}: its files hold {charged} of {quota} "
                                 f"pages, {more} more needed; close or remove KV files")
 
     def _evict_caches_of(self, account: str, pages: int) -> None:
         """Evict the account's closed cache files until `pages` of its pages are freed (or
         none is left). Among equally recent files, those holding later positions go first:
         a prefix cache's deeper blocks are worth less than the ones every lookup passes."""
-        now, held, protected = self.clock(), self._held.get(account, {}), self._protected_ids()
-        target = len(held) - pages
+        now, protected = self.clock(), self._protected_ids()
+        target = self.charged_pages(account) - pages
         victims = sorted((f for (owner, _), f in self._names.items()
                           if owner != account and quota_account(owner) == account and self._evictable(f, now)
                           and f.file_id not in protected),
                          key=lambda f: (f.last_used, -f.next_position))
         for file in victims:
-            if len(held) <= target:
+            if self.charged_pages(account) <= target:
                 return
             self._unlink(file)
             self._free_file(file)
@@ -435,19 +471,23 @@ class KVFS:
         page_size = self.pool.page_size
         if end <= start:
             return
+        self._within_length(dst, end - start)
         # Protected from the start: making src resident may reclaim, and either may be a closed
         # named file (a host-side cache's), which reclaiming would otherwise evict.
         with self.protect([src, dst]):
             self.ensure_resident(src)
             if start % page_size == 0 and dst.length % page_size == 0:
                 first, last = start // page_size, -(-end // page_size)
-                if self.page_quota:
-                    held = self._held.get(quota_account(dst.owner), {})
-                    self._within_quota(dst.owner, sum(isinstance(p, HostPage) or p not in held
-                                                      for p in src.pages[first:last]))
+                if self.page_quota:  # new to the account, or repeated in dst: charged
+                    held, in_dst, more = self._held.get(quota_account(dst.owner), {}), set(dst.pages), 0
+                    for page in src.pages[first:last]:
+                        more += isinstance(page, HostPage) or page not in held or page in in_dst
+                        in_dst.add(page)
+                    self._within_quota(dst.owner, more)
                 shared = self._share_pages(src.pages[first:last])
                 dst.pages.extend(shared)
                 self._count_pages(dst, added=shared)
+                self._recount_repeats(dst)
                 dst.host_pages += sum(isinstance(p, HostPage) for p in shared)
                 _append_runs(dst, dst.length, src.runs_between(start, end))
                 dst.length += end - start
@@ -477,6 +517,8 @@ class KVFS:
         file.host_pages -= sum(isinstance(p, HostPage) for p in dropped)
         self._drop_pages(dropped)
         del file.pages[keep_pages:]
+        if file.repeated_pages:
+            self._recount_repeats(file)
         file.runs = [(i, p) for i, p in file.runs if i < length]
         file.length = length
         file.last_used = self.clock()
@@ -821,11 +863,13 @@ class KvSession:
         return len(self._handles)
 
     def pages_held(self, also=()) -> int:
-        """Distinct pages (in the pool or swapped out) of the files this session holds open and
-        of the files in `also`: pages shared by forks count once."""
+        """Pages (in the pool or swapped out) of the files this session holds open and of the
+        files in `also`, counted as quotas count them: pages shared by forks once, a page a file
+        holds more than once each time (KVFS.charged_pages)."""
         with self.fs.lock:
             files = {entry.file for entry in self._handles.values()}.union(also)
-            return len({id(p) if isinstance(p, HostPage) else p for file in files for p in file.pages})
+            distinct = len({id(p) if isinstance(p, HostPage) else p for file in files for p in file.pages})
+            return distinct + sum(file.repeated_pages for file in files)
 
     def close_all(self) -> None:
         """Close every handle this session still holds (process exit)."""

@@ -37,6 +37,7 @@ class ProcessState(str, enum.Enum):
     BLOCKED_ON_PRED = "blocked-on-pred"
     BLOCKED_ON_RECV = "blocked-on-recv"
     BLOCKED_ON_SLEEP = "blocked-on-sleep"  # WASI poll_oneoff on a clock
+    BLOCKED_ON_TOKENIZE = "blocked-on-tokenize"  # a long text, on the engine's tokenizer thread
     EXITED = "exited"
     KILLED = "killed"
 

@@ -28,7 +28,7 @@ from .timers import Timers
 from .tools import ToolRegistry, default_tools
 
 _get_ident = threading.get_ident
-BLOCKING_CALLS = ("pred_wait", "pred", "recv", "poll_oneoff")  # may return a Block: a fiber waits
+BLOCKING_CALLS = ("pred_wait", "pred", "recv", "poll_oneoff", "tokenize")  # may return a Block: a fiber waits
 EPOCH_INTERVAL_S = 0.01  # one epoch tick: a guest's time slice is a multiple of this
 
 

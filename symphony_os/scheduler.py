@@ -1,10 +1,14 @@
 """The batch scheduler (level 2): decides which pending `pred` work runs in the next forward
 pass. It never touches tensors or KV pages; it returns a `BatchPlan` of plain data.
 
-Policy: under a token budget, decodes (requests with one token left) go first, then prefills,
-chunked into what remains of the budget: with several tenants' prefills waiting, each tenant's
-earliest first gets an equal share of it, then the rest goes in arrival order. A KV file is
-written by at most one request per batch, in arrival order, so writes to one file never race.
+Policy: under a token budget and a cap on the batch's sequences (its seats), decodes (requests
+with one token left) go first, then prefills, chunked into what remains of the budget: with
+several tenants' prefills waiting, each tenant's earliest first gets an equal share of it, then
+the rest goes in arrival order. With several tenants waiting at all, each one's decodes first
+take at most an equal share of the seats and the budget, and only once the others' prefills are
+in do the decodes held back fill what is left: one tenant's stream of decodes (a process with
+hundreds of forks) cannot keep another's prompt out of every batch. A KV file is written by at
+most one request per batch, in arrival order, so writes to one file never race.
 """
 from __future__ import annotations
 
@@ -68,14 +72,22 @@ class BatchScheduler:
         self.max_batch_size = max_batch_size
         # Insertion-ordered: arrival order for planning, O(1) removal when a request finishes.
         self.waiting: dict[int, PredRequest] = {}
+        self._waiting_per_owner: dict[str, int] = {}  # tenant -> its requests waiting
 
     def add(self, request: PredRequest) -> None:
         self.waiting[id(request)] = request
+        owners, owner = self._waiting_per_owner, request.file.owner
+        owners[owner] = owners.get(owner, 0) + 1
 
     def remove_all(self, requests: list[PredRequest]) -> None:
-        waiting = self.waiting
+        waiting, owners = self.waiting, self._waiting_per_owner
         for request in requests:
             del waiting[id(request)]
+            owner = request.file.owner
+            if owners[owner] == 1:
+                del owners[owner]
+            else:
+                owners[owner] -= 1
 
     def __len__(self) -> int:
         return len(self.waiting)
@@ -89,25 +101,42 @@ class BatchScheduler:
         room = self.max_batch_size  # chunks still allowed
         busy_files: set[int] = set()
         prefill_owners: dict[str, None] = {}  # tenants with prefill work, in order of arrival
-        # Decodes first. A file whose earlier request is skipped in a pass takes no later one in
-        # that pass (order).
+        tenants = len(self._waiting_per_owner)
+        # Decodes first, each tenant's up to its share when several wait (None: no cap). A file
+        # whose earlier request is skipped in a pass takes no later one in that pass (order).
+        share = max(1, min(self.max_batch_size, self.token_budget) // tenants) if tenants > 1 else None
+        decodes: dict[str, int] = {}  # tenant -> its decodes in this batch (with a share only)
+        held_back = False  # a decode waits for the others' prefills
         skipped_files: set[int] = set()
         for request in self.waiting.values():
             if budget == 0 or room == 0:
                 break
-            file_id = request.file.file_id
+            file = request.file
+            file_id = file.file_id
             if len(request.tokens) - request.done != 1:  # request.remaining, inline: once per request
-                prefill_owners[request.file.owner] = None
+                prefill_owners[file.owner] = None
                 skipped_files.add(file_id)
             elif file_id in busy_files or file_id in skipped_files:
                 skipped_files.add(file_id)
+            elif share is not None and decodes.get(file.owner, 0) >= share:
+                held_back = True
+                skipped_files.add(file_id)
             else:
+                if share is not None:
+                    decodes[file.owner] = decodes.get(file.owner, 0) + 1
                 chunks.append(ScheduledChunk(request, request.done, 1, True))
                 busy_files.add(file_id)
                 budget -= 1
                 room -= 1
-        if not prefill_owners:
-            return BatchPlan(chunks)
+        if prefill_owners:
+            budget, room = self._plan_prefills(chunks, prefill_owners, busy_files, budget, room)
+        if held_back:  # the decodes past their shares, in arrival order, into what is left
+            self._plan_held_back_decodes(chunks, busy_files, budget, room)
+        return BatchPlan(chunks)
+
+    def _plan_prefills(self, chunks: list[ScheduledChunk], prefill_owners: dict[str, None], busy_files: set[int],
+                       budget: int, room: int) -> tuple[int, int]:
+        """Add prefill chunks (see the module docstring); returns the budget and room left."""
         # Prefills: with several tenants waiting, each first gets a share of the budget for its
         # earliest request (a tenant's long prompts queued first held the others' short ones
         # back for their whole length); then the rest of the budget goes in arrival order, a
@@ -141,4 +170,20 @@ class BatchScheduler:
                 busy_files.add(file_id)
                 budget -= count
                 room -= 1
-        return BatchPlan(chunks)
+        return budget, room
+
+    def _plan_held_back_decodes(self, chunks: list[ScheduledChunk], busy_files: set[int], budget: int,
+                                room: int) -> None:
+        """Add the decodes not in the batch yet, in arrival order, while budget and room last."""
+        skipped_files: set[int] = set()
+        for request in self.waiting.values():
+            if budget == 0 or room == 0:
+                return
+            file_id = request.file.file_id
+            if file_id in busy_files or file_id in skipped_files or request.remaining != 1:
+                skipped_files.add(file_id)  # (a file in the batch already is busy: its decode is in)
+                continue
+            chunks.append(ScheduledChunk(request, request.done, 1, True))
+            busy_files.add(file_id)
+            budget -= 1
+            room -= 1

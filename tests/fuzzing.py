@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from guests import lip, wat
 from symphony_os.engine import Engine
 from symphony_os.hostcalls import HostCalls
+from symphony_os.kvfs import quota_account
 from symphony_os.limits import ProcessLimits
 from symphony_os.program import ProgramError
 from symphony_os.program_store import ProgramStore
@@ -305,3 +306,8 @@ class FuzzHost:
                 assert pool.refcount[page] == held.get(page, 0), (page, pool.refcount[page], held.get(page, 0))
             free = pool._free
             assert len(free) == len(set(free)) and set(free) == {p for p in range(pool.num_pages) if not held.get(p)}
+            # What quotas charge each tenant: its distinct pages, plus the pages a file holds again.
+            for account in {quota_account(f.owner) for f in kvfs._files.values()} | set(kvfs._held):
+                files = [f for f in kvfs._files.values() if quota_account(f.owner) == account]
+                charged = len({p for f in files for p in f.pages}) + sum(len(f.pages) - len(set(f.pages)) for f in files)
+                assert kvfs.charged_pages(account) == charged, (account, kvfs.charged_pages(account), charged)

@@ -50,6 +50,14 @@ def pred(handle: str, n: int = 16) -> str:
             "(i32.const 2) (i32.const 0)) (i32.const 0) (i32.const 0))")
 
 
+# Prefill 16 tokens, then merge the file with itself until refused (18 times at most): reports
+# the merges that succeeded, the error, and the length of the last file made.
+SELF_MERGE = ("(local.set $h (call $kv_create)) (drop " + pred("(local.get $h)") + ")" + loop_until_error(
+    "(call $kv_merge (local.get $h) (local.get $h))").replace(
+    "(br $l)", "(local.set $h (local.get $r)) (br_if $l (i32.lt_s (local.get $i) (i32.const 18)))")
+    + report("(local.get $i)", "(local.get $r)", "(call $kv_len (local.get $h))"))
+
+
 def kv_open_probe(name: bytes) -> bytes:
     escaped = "".join(f"\\{b:02x}" for b in name)
     return guest(report(f"(call $kv_open (i32.const {TEXT}) (i32.const {len(name)}) (i32.const 1))"),
@@ -176,6 +184,13 @@ CORPUS: dict[str, Hostile] = {
                                                  + report("(local.get $i)", "(local.get $r)")),
                                    exit_code=0, sends=codes(2, E.LIMIT_EXCEEDED), tenant="quota-tenant",
                                    limits=dict(kv_pages=None)),
+    # A file merged with itself holds its pages twice: 18 merges made 4,194,304 tokens of one
+    # page (quotas counted distinct pages), and every batch it joined attended over all of them.
+    "self-merge under a page quota": Hostile(lambda: guest(SELF_MERGE), exit_code=0,
+                                             sends=codes(1, E.LIMIT_EXCEEDED, 32), tenant="quota-tenant",
+                                             limits=dict(kv_pages=None)),
+    "self-merge past the model's context": Hostile(lambda: guest(SELF_MERGE), exit_code=0,
+                                                   sends=codes(5, E.LIMIT_EXCEEDED, 512), limits=dict(kv_pages=None)),
     "traps holding files and preds": Hostile(lambda: guest(f"""(local.set $h (call $kv_create))
         (drop {pred("(local.get $h)")})
         (drop (call $pred_submit (call $kv_fork (local.get $h)) (i32.const {IDS}) (i32.const 0) (i32.const 16)

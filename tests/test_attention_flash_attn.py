@@ -19,6 +19,9 @@ from symphony_os.engine import Engine
 from symphony_os.sampling import Distribution
 
 PAGE = FLASH_ATTN_PAGE_MULTIPLE
+# The engines' device: new K/V go in through a Triton kernel, which takes CPU tensors only in
+# Triton's interpreter (set without a GPU: conftest.py).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _attend_one(q, keys, values, scale, window):
@@ -26,8 +29,8 @@ def _attend_one(q, keys, values, scale, window):
     lq, lk, group = q.shape[0], keys.shape[0], q.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), keys.double()) * scale
-    i = torch.arange(lq)[:, None] + lk - lq  # each query row's own position among the keys
-    j = torch.arange(lk)[None, :]
+    i = torch.arange(lq, device=q.device)[:, None] + lk - lq  # each query row's own position among the keys
+    j = torch.arange(lk, device=q.device)[None, :]
     keep = j <= i  # causal (flash-attn then ignores window[1])
     if window[0] >= 0:
         keep &= j >= i - window[0]
@@ -144,7 +147,8 @@ def distributions(engine, prompts, steps):
 
 def test_an_engine_on_flash_attn_generates_as_on_the_reference(tiny_llama, modelled_flash_attn, monkeypatch):
     prompts = [[(3 + 7 * i) % 128 for i in range(n)] for n in (300, 5, 257)]  # across pages, and a chunked prefill
-    options = dict(device="cpu", dtype="bfloat16", page_size=PAGE, num_pages=16, token_budget=256)
+    # The prompts are longer than the tiny model's context (256): the engines allow 1024.
+    options = dict(device=DEVICE, dtype="bfloat16", page_size=PAGE, num_pages=16, token_budget=256, max_model_len=1024)
     reference = Engine.from_path(tiny_llama, attention="torch", **options)
     monkeypatch.setattr("symphony_os.engine.select_backend", lambda device, requested, page_size, dtype:
                         FlashAttention(page_size, dtype))

@@ -403,3 +403,27 @@ def test_a_request_failing_in_an_unforeseen_way_fails_alone_and_the_loop_goes_on
         kv.close_all()
     finally:
         tiny_engine.stop()
+
+
+def test_a_flood_of_one_tenants_decodes_lets_anothers_prompt_into_the_next_batch(tiny_llama):
+    """One process's forks kept every seat of every batch with their decodes, and another
+    tenant's prompt waited for as long as they went on."""
+    engine = Engine.from_path(tiny_llama, device="cpu", page_size=4, num_pages=128, max_batch_size=8)
+    flood, other = engine.session("flood"), engine.session("other")
+    root = flood.create()
+    engine.pred(flood, root, [1, 2, 3])
+    forks = [flood.fork(root) for _ in range(12)]  # more decodes than the batch has seats
+    prompt_handle = other.create()
+    prompt = None
+    for step in range(6):
+        futures = [engine.submit(flood, fork, [step % 100 + 1]) for fork in forks]
+        if step == 1:
+            prompt = engine.submit(other, prompt_handle, list(range(1, 17)))
+        while not all(f.done() for f in futures):
+            engine.step()
+            if step == 1:
+                assert prompt.done(), "the prompt waited behind the other tenant's decodes"
+    assert prompt.result().token >= 0 and other.len(prompt_handle) == 16
+    flood.close_all()
+    other.close_all()
+    assert engine.pool.stats().used == 0

@@ -2,6 +2,7 @@
 lengths, stale and foreign handles, bad tickets. Each gets its error code; the host and a
 well-behaved process next to it carry on; nothing leaks."""
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -297,6 +298,43 @@ def test_a_sleeping_guest_waits_without_holding_the_others(tiny_engine):
         assert runtime.wait(short, 60) == 0, short.end_reason
         assert time.monotonic() - started >= 0.2
     assert struct.unpack("<iiqii", out[0]) == (0, 1, 7, 0, 0)  # one clock event, userdata 7
+
+
+def test_a_long_tokenize_waits_off_the_worker(tiny_engine, monkeypatch):
+    """A MiB of text held the worker thread that runs every guest for 0.5-1.7 s while it was
+    tokenized. Now the process waits for the engine's tokenizer thread, and the others run on:
+    here that thread is held until another guest has run to its end on the only worker."""
+    gate, tokenize = threading.Event(), tiny_engine.tokenize
+
+    def held(text, add_special_tokens=True):
+        if len(text) > 100_000:
+            assert gate.wait(60), "the other guest never ran while the text was tokenized"
+        return tokenize(text, add_special_tokens)
+
+    monkeypatch.setattr(tiny_engine, "tokenize", held)
+    mib = wat('''(module
+      (import "symphony" "tokenize" (func $tokenize (param i32 i32 i32 i32 i32) (result i32)))
+      (import "symphony" "send" (func $send (param i32 i32) (result i32)))
+      (memory (export "memory") 17)
+      (func (export "_start")
+        (memory.fill (i32.const 0) (i32.const 97) (i32.const 1048576))  ;; "aaa..."
+        (i32.store (i32.const 1048576) (call $tokenize (i32.const 0) (i32.const 1048576) (i32.const 0)
+                                                        (i32.const 0) (i32.const 0)))
+        (drop (call $send (i32.const 1048576) (i32.const 4)))))''')
+    with Runtime(tiny_engine, workers=1) as runtime:
+        out, other = [], []
+        proc = runtime.spawn(runtime.load(mib, "mib"), on_output=out.append)
+        assert wait_for_state(proc, "blocked-on-tokenize")
+        quick = runtime.spawn(runtime.load(ECHO, "echo"), on_output=other.append)
+        quick.deliver(b"hi")
+        quick.close_input()
+        try:
+            assert runtime.wait(quick, 60) == 0 and other == [b"hi"]
+        finally:
+            gate.set()
+        assert runtime.wait(proc, 60) == 0, proc.end_reason
+    assert struct.unpack("<i", out[0])[0] == len(tokenize("a" * 2**20, add_special_tokens=False))
+    assert proc.cpu_time_s > 0
 
 
 def wait_for_state(proc, state: str, timeout_s: float = 60.0) -> bool:

@@ -51,8 +51,9 @@ class PagedBatch:
         self.page_table = table.to(DEVICE)
         self.context_lens_tensor = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
 
-    def reference(self, b: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """float64 attention of q [n, H, D], the last n tokens of sequence b, over its cache."""
+    def reference(self, b: int, q: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+        """float64 attention of q [n, H, D], the last n tokens of sequence b, over its cache
+        (each query at index p over keys p - window + 1 .. p, with a window)."""
         num_queries, num_heads, _ = q.shape
         length = self.context_lens[b]
         index = torch.arange(length)
@@ -64,6 +65,8 @@ class PagedBatch:
         scores = torch.einsum("qhd,khd->hqk", q.cpu().double(), keys) * scale
         query_pos = length - num_queries + torch.arange(num_queries)
         scores = scores.masked_fill(index[None, None, :] > query_pos[None, :, None], float("-inf"))
+        if window is not None:
+            scores = scores.masked_fill(index[None, None, :] <= query_pos[None, :, None] - window, float("-inf"))
         return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
 
@@ -151,6 +154,50 @@ def test_prefill_of_decode_rows_equals_decode():
     decode = paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.page_table,
                                     batch.context_lens_tensor, 0.25, num_splits=1)
     torch.testing.assert_close(prefill, decode, rtol=1e-5, atol=1e-6)
+
+
+# Windows shorter than one tile, than a split, ending inside a tile, and longer than every context.
+WINDOWS = [pytest.param(1, id="window1"), pytest.param(5, id="window5"), pytest.param(70, id="window70"),
+           pytest.param(1000, id="window-longer-than-all")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_decode_with_a_sliding_window_matches_reference(window, num_splits, dtype):
+    context_lens = [300, 3 * 16 + 1, 1, 16, 150]
+    batch = PagedBatch(context_lens, 16, 2, 64, dtype, seed=window)
+    q = query_view(len(context_lens), 4, 2, 64, dtype, seed=11)
+    out = paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.page_table, batch.context_lens_tensor,
+                                 0.125, num_splits=num_splits, out=nan_output(q), window=window)
+    ref = torch.stack([batch.reference(b, q[b : b + 1], 0.125, window)[0] for b in range(len(context_lens))])
+    assert relative_error(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("page_size,head_dim,group,num_kv_heads", SHAPES[:2])
+def test_prefill_with_a_sliding_window_matches_reference(page_size, head_dim, group, num_kv_heads, window, dtype):
+    # A prompt longer than several query blocks and windows, a chunk after a prefix, decode rows.
+    rows = [(200, 200), (37, 9), (1, 1), (90, 1), (130, 70)]
+    context_lens, query_lens = [length for length, _ in rows], [count for _, count in rows]
+    batch = PagedBatch(context_lens, page_size, num_kv_heads, head_dim, dtype, seed=window + page_size)
+    q = query_view(sum(query_lens), group * num_kv_heads, num_kv_heads, head_dim, dtype, seed=12)
+    starts = torch.tensor([0] + query_lens).cumsum(0)
+    scale = head_dim ** -0.5
+    out = paged_prefill_attention(q, batch.k_cache, batch.v_cache, batch.page_table, starts.to(DEVICE, torch.int32),
+                                  batch.context_lens_tensor, scale, out=nan_output(q), window=window)
+    ref = torch.cat([batch.reference(b, q[starts[b] : starts[b + 1]], scale, window) for b in range(len(rows))])
+    assert relative_error(out, ref) < TOLERANCE[dtype]
+
+
+def test_a_window_must_hold_a_token():
+    batch = PagedBatch([4], 4, 1, 16, torch.float32, seed=13)
+    q = query_view(1, 1, 1, 16, torch.float32, seed=14)
+    for window in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="sliding window"):
+            paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.page_table, batch.context_lens_tensor, 1.0,
+                                   window=window)
 
 
 def test_mismatched_cache_is_rejected():

@@ -531,3 +531,68 @@ def test_named_file_quota_bounds_the_names_a_tenant_keeps(fs, monkeypatch):
         block = fs.lookup("t:prefix", "block")
         fs._unlink(block)
         fs._free_file(block)
+
+
+def test_a_file_merged_with_itself_pays_for_each_page_it_holds_again(fs):
+    """Quotas counted distinct pages, so merging a file with itself doubled its tokens for
+    free: 18 merges made 4,194,304 tokens out of one page under an 8-page quota, and every batch
+    that file joined attended over all of them. A page a file holds again is charged again."""
+    fs.page_quota["t"] = 8
+    kv = fs.session("t")
+    h = kv.create()
+    write(fs, kv, h, PAGE)
+    merges = 0
+    with pytest.raises(LimitExceeded, match="KV page quota of tenant 't'"):
+        for _ in range(18):
+            merged = kv.merge(h, h)
+            kv.close(h)
+            h, merges = merged, merges + 1
+    # 2 then 4 references to the page; 8 more, while the 4 are open, are past the quota.
+    assert merges == 2 and kv.len(h) == 4 * PAGE and fs.pages_of("t") == 4
+    fork = kv.fork(h)  # a fork holds each page as many times as its source: charged as often
+    assert kv.len(fork) == 4 * PAGE and fs.pages_of("t") == 7
+    kv.close_all()
+    assert fs.pages_of("t") == 0
+
+
+def test_repeated_pages_are_charged_until_the_file_lets_them_go(fs):
+    fs.page_quota["t"] = 6
+    kv = fs.session("t")
+    h = kv.create()
+    write(fs, kv, h, 2 * PAGE)
+    twice = kv.merge(h, h)  # pages a b a b: 2 distinct, 2 repeats
+    kv.close(h)
+    assert fs.pages_of("t") == 4 and kv.pages_held() == 4
+    kv.truncate(twice, 3 * PAGE)  # a b a
+    assert fs.pages_of("t") == 3
+    write(fs, kv, twice, 1)  # the last page was shared: copied on write, a fresh page
+    assert fs.pages_of("t") == 4 and kv.len(twice) == 3 * PAGE + 1
+    kv.truncate(twice, 2 * PAGE)
+    assert fs.pages_of("t") == 2
+    kv.close_all()
+
+
+def test_a_file_holds_at_most_the_models_context(clock):
+    pool = KVPool(num_layers=2, num_kv_heads=1, head_dim=2, num_pages=16, page_size=PAGE)
+    fs = KVFS(pool, clock=clock, max_file_tokens=3 * PAGE)
+    kv = fs.session()
+    h = kv.create()
+    write(fs, kv, h, 2 * PAGE)
+    with pytest.raises(LimitExceeded, match=f"at most {3 * PAGE} tokens"):
+        kv.merge(h, h)
+    write(fs, kv, h, PAGE)
+    with pytest.raises(LimitExceeded, match="the model's context"):
+        write(fs, kv, h, 1)
+    assert kv.len(h) == 3 * PAGE and fs.file_count == 1  # the refused merge left no file
+    kv.close_all()
+    assert pool.stats().used == 0
+
+
+def test_positions_stop_at_32_bits_even_when_a_file_is_continued(fs):
+    kv = fs.session()
+    h = kv.create()
+    write(fs, kv, h, 2, start=kvfs_module.MAX_POSITION - 1)
+    with fs.lock, pytest.raises(PositionError, match="positions end at"):
+        file = kv.file_of(h)
+        fs.reserve_slots(file, [file.next_position], from_file=True)  # how the engine continues a file
+    kv.close_all()

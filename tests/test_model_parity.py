@@ -144,3 +144,16 @@ def test_triton_attention_backend_matches_transformers(tiny_llama, device):
     # On CPU the kernels run in Triton's interpreter (slow): a few steps are enough.
     assert_matches_transformers(tiny_llama, PROMPT, steps=3, device=device, page_size=4, num_pages=64,
                                 attention="triton")
+
+
+WINDOW_MODELS = ["mistral-window-8", "qwen2-window-on-upper-layers", "qwen3-window-on-lower-layer"]
+
+
+@pytest.mark.parametrize("device", [ON_CPU_INTERPRETED, ON_CUDA])
+@pytest.mark.parametrize("name", WINDOW_MODELS)
+def test_triton_attention_slides_its_windows_as_transformers(name, device, tmp_path):
+    """The Triton kernels refused sliding windows on CUDA, so such models ran there only with
+    --attention torch. The window cuts the 10-token prompt's prefill and every decode step."""
+    model_type, overrides = MODELS[name]
+    path = build_hf_model(tmp_path, model_type, **overrides)
+    assert_matches_transformers(path, PROMPT, steps=3, device=device, page_size=4, num_pages=64, attention="triton")

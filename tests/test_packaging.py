@@ -33,7 +33,7 @@ from symphony_os.engine import Engine
 from symphony_os.loader import default_model_path
 from symphony_os.server import create_app
 engine = Engine.from_path(default_model_path(), device="cpu", num_pages=256)
-with TestClient(create_app(engine)) as client:
+with TestClient(create_app(engine), base_url="http://localhost") as client:  # an open server answers its own names
     response = client.post("/v1/completions", json={"model": engine.loaded.name, "prompt": "def main():",
                                                      "max_tokens": 8})
 assert response.status_code == 200, response.text

@@ -244,6 +244,28 @@ def test_a_python_guest_that_sleeps_is_trapped_and_the_host_carries_on(engine):
         assert hello.startswith("Once upon a time")
 
 
+def test_a_python_guests_stack_overflow_is_the_stack_limit(engine):
+    """A component reports its trap as an error with no trap code: a Python guest that ran out
+    of wasm stack ended as "trapped" (134), not killed by the stack limit (137) as a core
+    module does and SECURITY.md says."""
+    with Runtime(engine) as runtime:
+        process = runtime.spawn(runtime.load(misbehave()), ["recurse"])
+        assert runtime.wait(process, 120) == EXIT_KILLED
+    assert process.end_reason == "killed: wasm stack limit 1 MiB exceeded"
+
+
+def test_a_python_guest_tokenizes_a_long_text_off_the_worker(engine, monkeypatch):
+    """Its tokenize waits as a core module's does (tests/test_hostcall_abuse.py), the same ids."""
+    asked = []
+    tokenize_later = engine.tokenize_later
+    monkeypatch.setattr(engine, "tokenize_later", lambda text, add: asked.append(len(text)) or tokenize_later(text, add))
+    with Runtime(engine) as runtime:
+        short, _ = run(runtime, misbehave(), ["tokenize", "10"])
+        long, _ = run(runtime, misbehave(), ["tokenize", "20000"])
+    assert short == f"ids={len(engine.tokenize('a b ' * 10, add_special_tokens=False))}\n"
+    assert long == f"ids={len(engine.tokenize('a b ' * 20000, add_special_tokens=False))}\n" and asked == [80_000]
+
+
 EXIT_AFTER_A_LOGGING_GUEST = """
 import sys, time
 from symphony_os.engine import Engine

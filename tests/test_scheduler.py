@@ -95,3 +95,46 @@ def test_the_rest_of_the_budget_grows_a_shared_chunk_rather_than_being_left():
     for r in (long, short):
         s.add(r)
     assert plan_of(s) == [(long, 0, 502), (short, 0, 10)]
+
+
+def test_one_tenants_decodes_cannot_hold_back_anothers_prompt():
+    """Decodes went first and filled the batch: one process with 256 forks kept every batch
+    full of its one-token decodes, and another tenant's 16-token prompt waited for as long as
+    the flood lasted (13.5 s of 15). With several tenants waiting, each one's decodes take at
+    most its share of the batch; what the others leave, the flood gets back."""
+    s = BatchScheduler(token_budget=512, max_batch_size=256)
+    flood = [request(i, 1, "flood") for i in range(300)]
+    prompt = request(1000, 16, "other")
+    for r in (*flood, prompt):
+        s.add(r)
+    plan = plan_of(s)
+    assert (prompt, 0, 16) in plan
+    assert [r for r, _, _ in plan if r is not prompt] == flood[:255]  # every seat left, in arrival order
+
+
+def test_tenants_flooding_with_decodes_share_the_seats():
+    s = BatchScheduler(token_budget=512, max_batch_size=8)
+    a = [request(i, 1, "a") for i in range(10)]
+    b = [request(100 + i, 1, "b") for i in range(10)]
+    c = request(200, 1, "c")
+    for r in (*a, *b, c):
+        s.add(r)
+    plan = [r for r, _, _ in plan_of(s)]
+    assert plan == a[:2] + b[:2] + [c] + a[2:5]  # two seats each, then the rest in arrival order
+    s.remove_all(plan)
+    assert [r for r, _, _ in plan_of(s)] == a[5:9] + b[2:6]  # now two tenants: four seats each
+
+
+def test_a_deferred_decode_keeps_its_files_order():
+    """A decode the share held back is not overtaken by a later request on its file."""
+    s = BatchScheduler(token_budget=512, max_batch_size=2)
+    shared = KvFile(1, "a", None, 0.0)
+    first = PredRequest(shared, [1], None, Sample())
+    other_a = request(2, 1, "a")
+    later = PredRequest(shared, [2], None, Sample())
+    b = request(3, 1, "b")
+    for r in (other_a, first, later, b):
+        s.add(r)
+    assert [r for r, _, _ in plan_of(s)] == [other_a, b]
+    s.remove_all([other_a, b])
+    assert [r for r, _, _ in plan_of(s)] == [first]

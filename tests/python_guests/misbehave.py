@@ -7,7 +7,9 @@ Usage: misbehave MODE
   limits  - runs into the per-process limits (run it with small ones): sends `check=outcome` lines
   sleep   - sends `sleeping`, then calls time.sleep (a LIP cannot wait on a timer: it traps)
   stream TEXT - sends TEXT's tokens through TextStream, one token at a time (stream-ids: ids a,b,c)
-  exit [CODE|MESSAGE] - sys.exit() with nothing, a code or a message"""
+  exit [CODE|MESSAGE] - sys.exit() with nothing, a code or a message
+  tokenize N - sends how many ids N repeats of "a b " tokenize to (a long text waits off the worker)
+  recurse - recurses without end in C (repr of a deeply nested list): the wasm stack overflows"""
 import sys
 import time
 
@@ -125,6 +127,14 @@ def main(args: list[str]) -> int:
         symphony.send(stream.finish())
     elif mode == "exit":  # sys.exit(args[1]): nothing, an int or a message
         sys.exit(None if len(args) < 2 else int(args[1]) if args[1].isdigit() else args[1])
+    elif mode == "tokenize":
+        symphony.send(f"ids={len(symphony.tokenize('a b ' * int(args[1])))}\n")
+    elif mode == "recurse":
+        sys.setrecursionlimit(10**8)
+        nested = []
+        for _ in range(10**6):
+            nested = [nested]
+        symphony.send(f"{len(repr(nested))}\n")
     elif mode == "sleep":
         symphony.send("sleeping\n")
         time.sleep(0.01)
