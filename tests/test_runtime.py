@@ -181,7 +181,7 @@ def test_infinite_loop_is_preempted_and_kill_stops_it(stories_engine, drive_in_c
         assert out == hello_via_api(stories_engine, "Once upon a time", 10)
         assert spinner.state == ProcessState.RUNNABLE
         runtime.kill(spinner.pid, "killed by test")
-        assert runtime.wait(spinner, 10) == EXIT_KILLED
+        assert runtime.wait(spinner, 60) == EXIT_KILLED
         assert spinner.state == ProcessState.KILLED and spinner.end_reason == "killed by test"
 
 
@@ -195,7 +195,7 @@ def test_kill_while_blocked_on_recv(tiny_engine):
             time.sleep(0.01)
         assert proc.state == ProcessState.BLOCKED_ON_RECV
         proc.kill()
-        assert runtime.wait(proc, 10) == EXIT_KILLED
+        assert runtime.wait(proc, 60) == EXIT_KILLED
 
 
 @pytest.mark.parametrize("drive_in_caller", [False, True])
@@ -218,7 +218,7 @@ def test_recv_gets_messages_and_closed(tiny_engine, drive_in_caller):
         for message in (b"hi", b"a longer message", b""):
             proc.deliver(message)
         proc.close_input()
-        assert runtime.wait(proc, 10) == 0
+        assert runtime.wait(proc, 60) == 0
     assert out == [b"hi", b"a longer message", b""]
 
 
@@ -229,8 +229,8 @@ def test_exit_codes_and_traps(tiny_engine):
     with Runtime(tiny_engine) as runtime:
         p1 = runtime.spawn(runtime.load(exit7, "exit7"))
         p2 = runtime.spawn(runtime.load(trap, "trap"))
-        assert runtime.wait(p1, 10) == 7 and p1.state == ProcessState.EXITED
-        assert runtime.wait(p2, 10) == 134 and p2.state == ProcessState.KILLED
+        assert runtime.wait(p1, 60) == 7 and p1.state == ProcessState.EXITED
+        assert runtime.wait(p2, 60) == 134 and p2.state == ProcessState.KILLED
         assert "unreachable" in p2.end_reason
 
 
@@ -481,7 +481,7 @@ def test_a_process_killed_with_a_distribution_in_flight_leaves_the_host_whole(ti
         proc.kill("killed while its pred is in flight")
         while not proc.ended.is_set():
             worker.run_ready()
-        assert runtime.wait(proc, 5) == EXIT_KILLED
+        assert runtime.wait(proc, 60) == EXIT_KILLED
         del proc
         gc.collect()
         tiny_engine.run_until_idle()  # the batch writes where the guest's buffer was
