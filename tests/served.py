@@ -5,6 +5,7 @@ with little output per process), with a one-second grace period and input for a 
 waiting two seconds."""
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -49,6 +50,13 @@ def served(stories_path, tmp_path_factory):
     config = ServerConfig(grace_s=GRACE_S, data_dir=directory / "programs", max_upload_bytes=MAX_UPLOAD_BYTES,
                           input_wait_s=INPUT_WAIT_S)
     app = create_app(engine, Tenants.from_file(directory / "tenants.toml"), config)
+    with serving(app) as url:
+        yield Served(url, engine, app)
+
+
+@contextlib.contextmanager
+def serving(app):
+    """uvicorn serving `app` on a free loopback port, on a thread of its own; yields its URL."""
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
@@ -56,10 +64,11 @@ def served(stories_path, tmp_path_factory):
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield Served(f"http://127.0.0.1:{port}", engine, app)
-    server.should_exit = True
-    thread.join(60)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(60)
 
 
 def wait_until(condition, timeout_s: float = 30.0, interval_s: float = 0.05):

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 import websockets
 
 from guests import ECHO
-from served import TOKENS, served  # noqa: F401 (fixture)
+from served import TOKENS, served, serving  # noqa: F401 (fixture)
 from symphony_os.engine import Engine
 from symphony_os.http_guard import JSON_BODY_BYTES, Origins
 from symphony_os.server import ServerConfig, create_app
@@ -27,17 +24,8 @@ def open_server(stories_path, tmp_path_factory):
     engine = Engine.from_path(stories_path, device="cpu", page_size=16, num_pages=256)
     config = ServerConfig(grace_s=5.0, data_dir=tmp_path_factory.mktemp("open") / "programs", bind_host="127.0.0.1",
                           allowed_origins=("https://app.example",))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, Tenants.single(), config), host="127.0.0.1", port=0,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, name="uvicorn-open", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    server.should_exit = True
-    thread.join(60)
+    with serving(create_app(engine, Tenants.single(), config)) as url:
+        yield url
 
 
 def raw_request(url: str, head: str, body: bytes = b"") -> tuple[int, bytes]:
