@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# Empty: the bundled default model (symphony_os/default_model). Else a directory, .gguf or hub id.
+# Empty: the bundled default model (symphony_os/model/default_model). Else a directory, .gguf or hub id.
 MODEL ?=
 PROMPT ?= import os\n\n\ndef list_files(path):\n
 MODEL_FLAG := $(if $(MODEL),--model $(MODEL))
@@ -77,7 +77,7 @@ generate: install
 
 # Retrain the bundled default model (about 20 minutes on 2 cores); see its README.md.
 default-model: install
-	$(PY) -m symphony_os.train_default_model
+	$(PY) -m symphony_os.model.train_default_model
 
 test: lips
 	$(PY) -m pytest -q

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from symphony_os.engine import Engine
-from symphony_os.gc_tuning import tune_gc
-from symphony_os.loader import load_model
-from symphony_os.random_model import build_random_model
+from symphony_os.engine.gc_tuning import tune_gc
+from symphony_os.engine.loop import Engine
+from symphony_os.model.loader import load_model
+from symphony_os.model.random_model import build_random_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

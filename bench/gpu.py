@@ -33,11 +33,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from symphony_os.engine import Engine
-from symphony_os.gc_tuning import tune_gc, untune_gc
-from symphony_os.loader import LoadedModel
-from symphony_os.model import DecoderModel, ModelConfig, rope_inv_freq
-from symphony_os.sampling import Distribution
+from symphony_os.engine.gc_tuning import tune_gc, untune_gc
+from symphony_os.engine.loop import Engine
+from symphony_os.engine.sampling import Distribution
+from symphony_os.model.decoder import DecoderModel, ModelConfig, rope_inv_freq
+from symphony_os.model.loader import LoadedModel
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -45,11 +45,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from engine import BENCH_SHAPE, cpu_name, python_build  # noqa: E402  (bench/engine.py)
 
-from symphony_os.engine import Engine  # noqa: E402
-from symphony_os.gc_tuning import tune_gc, untune_gc  # noqa: E402
-from symphony_os.random_model import build_random_model  # noqa: E402
-from symphony_os.runtime import Runtime  # noqa: E402
-from symphony_os.sampling import Distribution, Sample  # noqa: E402
+from symphony_os.engine.gc_tuning import tune_gc, untune_gc  # noqa: E402
+from symphony_os.engine.loop import Engine  # noqa: E402
+from symphony_os.engine.sampling import Distribution, Sample  # noqa: E402
+from symphony_os.lip.runtime import Runtime  # noqa: E402
+from symphony_os.model.random_model import build_random_model  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 

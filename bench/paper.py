@@ -41,9 +41,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from symphony_os.client import AsyncClient  # noqa: E402
-from symphony_os.native_build import ZIG_CC  # noqa: E402
-from symphony_os.tools import calculator  # noqa: E402
+from symphony_os.client.client import AsyncClient  # noqa: E402
+from symphony_os.lip.tools import calculator  # noqa: E402
+from symphony_os.wasm.native_build import ZIG_CC  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 LIPS = ROOT / "bench" / "lips"
@@ -715,7 +715,8 @@ def main() -> None:
     else:
         import torch
         from engine import BENCH_SHAPE  # bench/engine.py's 50M-parameter random Llama
-        from symphony_os.random_model import build_random_model
+
+        from symphony_os.model.random_model import build_random_model
         model_dir = ROOT / "build" / "paper-model"
         if not (model_dir / "config.json").exists():
             build_random_model(model_dir, "llama", seed=0, dtype=torch.float32, **BENCH_SHAPE)

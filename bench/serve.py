@@ -29,7 +29,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from symphony_os.client import AsyncClient  # noqa: E402
+from symphony_os.client.client import AsyncClient  # noqa: E402
 
 PROMPTS = [f"{name} went to the {place} and" for name in ("Tom", "Lily", "Sue", "Ben", "Max", "Mia", "Sam", "Ann")
            for place in ("park", "shop", "sea", "woods")]

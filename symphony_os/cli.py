@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
+from .engine.sampling import Sample, validate_want
 from .errors import InvalidArgument, SymphonyError
-from .sampling import Sample, validate_want
 
 
 def _engine_options(func):
@@ -34,8 +34,8 @@ def _engine_options(func):
 
 
 def _make_engine(model_path, device, dtype, attention, page_size, kv_pages):
-    from .engine import Engine
-    from .loader import ModelLoadError, default_model_path, load_model
+    from .engine.loop import Engine
+    from .model.loader import ModelLoadError, default_model_path, load_model
 
     try:
         loaded = load_model(model_path or default_model_path(), dtype=dtype, device=device)
@@ -103,7 +103,7 @@ def generate(model_path, device, dtype, attention, page_size, kv_pages, prompt, 
 @_engine_options
 def info(model_path, device, dtype, attention, page_size, kv_pages):
     """Print the model's shape, dtype, device, attention backend and KV pool size."""
-    from .attention import describe_backend
+    from .model.attention import describe_backend
 
     engine = _make_engine(model_path, device, dtype, attention, page_size, kv_pages)
     loaded, cfg, pool = engine.loaded, engine.loaded.config, engine.pool.stats()
@@ -133,7 +133,7 @@ def info(model_path, device, dtype, attention, page_size, kv_pages):
 def models():
     """List the models found here: the bundled default, $SYMPHONY_MODEL, ../shared/models and
     the Hugging Face cache. Any of them (or a hub id) can be passed as --model."""
-    from .model_catalog import find_models
+    from .model.catalog import find_models
 
     rows = [(m.name, m.kind, m.format, m.size, str(m.path)) for m in find_models()]
     header = ("name", "where", "format", "size", "path")
@@ -155,10 +155,10 @@ def run(program, args, model_path, device, dtype, attention, page_size, kv_pages
     import threading
     import time
 
-    from .cli_client import exit_status, output_closed_status, parse_env, stdin_messages
+    from .client.commands import exit_status, output_closed_status, parse_env, stdin_messages
     from .errors import InputClosed, LimitExceeded, OutputClosed
-    from .program import ProgramError
-    from .runtime import Runtime
+    from .lip.runtime import Runtime
+    from .wasm.program import ProgramError
 
     env = parse_env(env_pairs)
     engine = _make_engine(model_path, device, dtype, attention, page_size, kv_pages)
@@ -239,9 +239,9 @@ def serve(model_path, device, dtype, attention, page_size, kv_pages, host, port,
         raise click.BadParameter(f"{grace_s} is not a finite number of seconds", param_hint="'--grace'")
     import uvicorn
 
-    from . import logs
-    from .server import ServerConfig, create_app
-    from .tenants import Tenants, TenantsFileError
+    from .server import logs
+    from .server.app import ServerConfig, create_app
+    from .server.tenants import Tenants, TenantsFileError
 
     try:
         tenants = Tenants.from_file(tenants_file) if tenants_file else Tenants.single()
@@ -265,7 +265,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def _add_client_commands() -> None:
-    from .cli_client import CLIENT_COMMANDS
+    from .client.commands import CLIENT_COMMANDS
 
     for command in CLIENT_COMMANDS:
         main.add_command(command)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from symphony_os.random_model import build_random_model
+from symphony_os.model.random_model import build_random_model
 
 if not torch.cuda.is_available():
     # Triton reads this when a kernel is decorated: set it before any test imports one, so the
@@ -44,7 +44,7 @@ def tiny_llama(tmp_path_factory) -> Path:
 @pytest.fixture
 def tiny_engine(tiny_llama):
     """An engine on the tiny Llama with a small pool; checks for leaked pages afterwards."""
-    from symphony_os.engine import Engine
+    from symphony_os.engine.loop import Engine
 
     engine = Engine.from_path(tiny_llama, device="cpu", page_size=4, num_pages=128)
     yield engine
@@ -63,7 +63,7 @@ def pytest_terminal_summary(terminalreporter):
 def greedy_continuation(engine, prompt: str, max_tokens: int) -> str:
     """The text greedy decoding appends to `prompt` through the engine's Python API (stops at
     an end-of-sequence token)."""
-    from symphony_os.sampling import GREEDY
+    from symphony_os.engine.sampling import GREEDY
 
     session = engine.session()
     handle = session.create()

@@ -24,20 +24,20 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
+from guests import lip, wat
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from guests import lip, wat
-from symphony_os.engine import Engine
-from symphony_os.hostcalls import HostCalls
-from symphony_os.kvfs import quota_account
-from symphony_os.limits import ProcessLimits
-from symphony_os.program import ProgramError
-from symphony_os.program_store import ProgramStore
-from symphony_os.random_model import build_random_model
-from symphony_os.runtime import Runtime
+from symphony_os.engine.loop import Engine
+from symphony_os.kv.kvfs import quota_account
+from symphony_os.lip.core_abi import CoreCalls
+from symphony_os.lip.limits import ProcessLimits
+from symphony_os.lip.runtime import Runtime
+from symphony_os.model.random_model import build_random_model
+from symphony_os.server.program_store import ProgramStore
+from symphony_os.wasm.program import ProgramError
 
-CALLS = [*HostCalls.table().items(), ("fd_write", 4), ("memory.grow", 1)]
+CALLS = [*CoreCalls.table().items(), ("fd_write", 4), ("memory.grow", 1)]
 ARGS = max(arity for _, arity in CALLS)  # every call in the driver takes this many (extra ones unused)
 RECORD = struct.Struct(f"<B{ARGS}i")
 INPUT_AT, INPUT_CAP, MEMORY_PAGES = 3 * 65536, 65536, 4
@@ -56,7 +56,7 @@ def driver_module() -> bytes:
     """The host-call fuzz driver (see the module docstring)."""
     imports = "\n".join(
         f'(import "symphony" "{name}" (func ${name} (param{" i32" * n}) (result i32)))'
-        for name, n in HostCalls.table().items())
+        for name, n in CoreCalls.table().items())
     wrappers = []
     for index, (name, arity) in enumerate(CALLS):
         args = " ".join(f"(local.get {i})" for i in range(arity))
@@ -99,7 +99,7 @@ _INTERESTING = [0, 1, 2, 3, 4, 5, 6, 8, 16, 17, 64, 255, 1024, -1, -2, -12, 2**3
                 TEXT + 7, SAMPLING, EXTREME_SAMPLING, 65535, 65536, MEMORY_PAGES * 65536 - 4, MEMORY_PAGES * 65536, 1 << 20]
 argument = st.one_of(st.sampled_from(_INTERESTING), st.integers(0, 20), st.integers(-2**31, 2**31 - 1),
                      st.integers(0, MEMORY_PAGES * 65536))
-# Plausible arguments by parameter name (HostCalls' own signatures), so that sequences get past
+# Plausible arguments by parameter name (CoreCalls' own signatures), so that sequences get past
 # the argument checks into KVFS and the engine: handles and tickets are small numbers.
 _small = st.one_of(st.sampled_from([1, 1, 1, 2, 2, 3]), st.integers(-1, 8))
 _ids = st.one_of(st.sampled_from([IDS, IDS + 8, IDS + 60]), argument)  # 16 valid token ids, then zeros
@@ -124,7 +124,7 @@ def _role(parameter: str):
 
 def _plausible(index: int):
     name, arity = CALLS[index]
-    method = getattr(HostCalls, name, None)
+    method = getattr(CoreCalls, name, None)
     names = method.__code__.co_varnames[2:2 + arity] if method is not None else ("n",) * arity
     return st.tuples(st.just(index), st.tuples(*[_role(p) for p in names], *[st.just(0)] * (ARGS - arity)).map(list))
 
@@ -196,11 +196,11 @@ def module_bytes(draw) -> bytes:
     return bytes(data)
 
 
-INTERNAL_LOGGERS = ("symphony.hostcalls", "symphony.component", "symphony.process")
+INTERNAL_LOGGERS = ("symphony.syscalls", "symphony.component", "symphony.process")
 
 
 class InternalErrors(logging.Handler):
-    """Counts host-call failures that became INTERNAL (logged by hostcalls.py, component.py, and
+    """Counts host-call failures that became INTERNAL (logged by syscalls.py, component.py, and
     process.py when finishing a blocking call: a pred whose batch failed)."""
 
     def __init__(self):
@@ -256,7 +256,7 @@ class FuzzHost:
         code = self.runtime.wait(process, 60)
         assert code is not None, "the driver did not end within 60 s"
         assert code == 0 or process.end_reason.startswith("killed: "), process.end_reason
-        assert process.kv.open_handles == 0 and not process.hostcalls.tickets
+        assert process.kv.open_handles == 0 and not process.syscalls.tickets
         self.settle()
 
     def load(self, data: bytes) -> None:
@@ -275,7 +275,7 @@ class FuzzHost:
         process = self.runtime.spawn(program, ["Once", "3"], tenant="fuzz", limits=limits)
         process.close_input()
         assert self.runtime.wait(process, 60) is not None, "a mutant did not end within 60 s"
-        assert process.kv.open_handles == 0 and not process.hostcalls.tickets
+        assert process.kv.open_handles == 0 and not process.syscalls.tickets
         self.settle()
 
     def settle(self) -> None:

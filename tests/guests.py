@@ -7,7 +7,7 @@ from pathlib import Path
 
 import wasmtime
 
-from symphony_os.native_build import ZIG_CC
+from symphony_os.wasm.native_build import ZIG_CC
 
 ROOT = Path(__file__).resolve().parent.parent
 SDK = ROOT / "guest_sdk" / "c"

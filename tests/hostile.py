@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from guests import wat
+from test_hostcall_abuse import CASES as ABUSE_CASES
+from test_hostcall_abuse import abusive_module
+
 from symphony_os.errors import ErrorCode as E
-from symphony_os.hostcalls import HostCalls
-from test_hostcall_abuse import CASES as ABUSE_CASES, abusive_module
+from symphony_os.lip.core_abi import CoreCalls
 
 RESULTS = 60000  # where a guest stores the i32s it reports (inside its first page)
 IDS = 1024  # 16 token ids (1, 2, ... 16)
@@ -19,7 +21,7 @@ TEXT = 2048  # a path or text, per kind
 def imports() -> str:
     calls = "\n".join(
         f'(import "symphony" "{name}" (func ${name} (param {" i32" * n}) (result i32)))' if n else
-        f'(import "symphony" "{name}" (func ${name} (result i32)))' for name, n in HostCalls.table().items())
+        f'(import "symphony" "{name}" (func ${name} (result i32)))' for name, n in CoreCalls.table().items())
     return calls + '\n(import "wasi_snapshot_preview1" "fd_write" (func $fd_write (param i32 i32 i32 i32) (result i32)))'
 
 

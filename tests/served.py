@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import pytest
 import uvicorn
 
-from symphony_os.engine import Engine
-from symphony_os.server import ServerConfig, create_app
-from symphony_os.tenants import Tenants
+from symphony_os.engine.loop import Engine
+from symphony_os.server.app import ServerConfig, create_app
+from symphony_os.server.tenants import Tenants
 
 TOKENS = {name: f"token-of-{name}" for name in ("alice", "bob", "carol", "dave", "tight", "small", "terse")}
 TIGHT_QUOTAS = dict(max_processes=1, max_kv_pages=2, max_kv_files=2, max_upload_bytes=4096, cpu_time_s=0.5)

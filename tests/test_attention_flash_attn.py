@@ -12,11 +12,11 @@ import types
 import pytest
 import torch
 
-from symphony_os import attention
-from symphony_os.attention import (FLASH_ATTN_PAGE_MULTIPLE, AttentionMetadata, FlashAttention, TorchAttention,
-                                   describe_backend, flash_attn_unavailable, select_backend)
-from symphony_os.engine import Engine
-from symphony_os.sampling import Distribution
+from symphony_os.engine.loop import Engine
+from symphony_os.engine.sampling import Distribution
+from symphony_os.model import attention
+from symphony_os.model.attention import (FLASH_ATTN_PAGE_MULTIPLE, AttentionMetadata, FlashAttention, TorchAttention,
+                                         describe_backend, flash_attn_unavailable, select_backend)
 
 PAGE = FLASH_ATTN_PAGE_MULTIPLE
 # The engines' device: new K/V go in through a Triton kernel, which takes CPU tensors only in
@@ -150,7 +150,7 @@ def test_an_engine_on_flash_attn_generates_as_on_the_reference(tiny_llama, model
     # The prompts are longer than the tiny model's context (256): the engines allow 1024.
     options = dict(device=DEVICE, dtype="bfloat16", page_size=PAGE, num_pages=16, token_budget=256, max_model_len=1024)
     reference = Engine.from_path(tiny_llama, attention="torch", **options)
-    monkeypatch.setattr("symphony_os.engine.select_backend", lambda device, requested, page_size, dtype:
+    monkeypatch.setattr("symphony_os.engine.loop.select_backend", lambda device, requested, page_size, dtype:
                         FlashAttention(page_size, dtype))
     flash = Engine.from_path(tiny_llama, **options)
     assert flash.backend.name == "flash-attn"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from symphony_os.random_model import build_random_model
+from symphony_os.model.random_model import build_random_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import paper  # noqa: E402

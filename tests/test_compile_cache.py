@@ -1,4 +1,4 @@
-"""The cache of compiled components (symphony_os/compile_cache.py): a directory of our own,
+"""The cache of compiled components (symphony_os/wasm/compile_cache.py): a directory of our own,
 files checked against their digest before they are loaded, and a bounded size."""
 import gc
 import hashlib
@@ -11,10 +11,10 @@ import uuid
 import pytest
 import wasmtime
 
-from symphony_os import limits
-from symphony_os.compile_cache import CompileCache
-from symphony_os.component import compile_component
-from symphony_os.program import ProgramError, load_program
+from symphony_os.wasm import compile_limit
+from symphony_os.wasm.compile_cache import CompileCache
+from symphony_os.wasm.component import compile_component
+from symphony_os.wasm.program import ProgramError, load_program
 
 
 def component_bytes() -> bytes:
@@ -127,7 +127,7 @@ def test_component_compile_time_is_limited():
 def test_bytes_whose_compile_kills_the_child_are_not_compiled_in_the_server(monkeypatch):
     """The child's outcome counted only as time: one that died (killed for memory, aborted in
     the compiler) let the server compile the same bytes itself, which would take it down too."""
-    monkeypatch.setattr(limits, "_COMPILE_PROBE", "import os; os.abort()")
+    monkeypatch.setattr(compile_limit, "_COMPILE_PROBE", "import os; os.abort()")
     module = wasmtime.wat2wasm('(module (memory (export "memory") 1) (func (export "_start")))')
     for data in (bytes(module), component_bytes()):
         with pytest.raises(ProgramError, match=r"failed in a child process \(signal 6\): not compiled in the server"):

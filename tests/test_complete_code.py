@@ -5,12 +5,12 @@ tokens it shares with the last one."""
 import re
 
 import pytest
-
 from guests import lip
-from symphony_os.engine import Engine
-from symphony_os.loader import DEFAULT_MODEL_DIR
-from symphony_os.runtime import Runtime
-from symphony_os.sampling import TopK
+
+from symphony_os.engine.loop import Engine
+from symphony_os.engine.sampling import TopK
+from symphony_os.lip.runtime import Runtime
+from symphony_os.model.loader import DEFAULT_MODEL_DIR
 
 
 def repeats(history: list[int], token: int, ngram: int) -> bool:

@@ -4,12 +4,12 @@ import threading
 import pytest
 import torch
 
-from symphony_os import sampling
-from symphony_os.engine import Engine
+from symphony_os.engine import sampling
+from symphony_os.engine.loop import Engine
+from symphony_os.engine.model_runner import ARGMAX_ROWS
+from symphony_os.engine.sampling import Distribution, GreedyEach, Sample, TopK
 from symphony_os.errors import BadHandle, FileBusy, InvalidArgument, PoolExhausted, PositionError, ReadOnlyFile
-from symphony_os.kvfs import OpenFlags
-from symphony_os.model_runner import ARGMAX_ROWS
-from symphony_os.sampling import Distribution, GreedyEach, Sample, TopK
+from symphony_os.kv.kvfs import OpenFlags
 
 PROMPTS = [[1, 5, 9, 17, 33, 65, 3, 12, 100, 7, 8, 9, 10], [1, 40], [1, 90, 91, 92, 93, 94], [1, 7, 7, 7, 7, 7, 7, 7, 7]]
 
@@ -338,8 +338,8 @@ def test_detokenize_is_transformers_decode(source, request, tiny_llama):
     the text must stay transformers' own, special and byte tokens included."""
     from transformers import AutoTokenizer
 
-    from symphony_os.engine import direct_decode
-    from symphony_os.loader import DEFAULT_MODEL_DIR
+    from symphony_os.engine.loop import direct_decode
+    from symphony_os.model.loader import DEFAULT_MODEL_DIR
 
     path = {"bundled": DEFAULT_MODEL_DIR, "word": tiny_llama, "clean-up": tiny_llama}.get(source) \
         or request.getfixturevalue("stories_path")
@@ -373,7 +373,7 @@ def test_a_model_without_a_tokenizer_runs_preds_and_refuses_text(tiny_engine):
 
 
 def test_padded_page_table_rows_in_order_zero_padded():
-    from symphony_os.model_runner import padded_page_table
+    from symphony_os.engine.model_runner import padded_page_table
 
     table = padded_page_table([[3, 4, 5], [7], [1, 2]])
     assert table.dtype.name == "int32" and table.tolist() == [[3, 4, 5], [7, 0, 0], [1, 2, 0]]

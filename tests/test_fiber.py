@@ -9,8 +9,8 @@ import threading
 import pytest
 import wasmtime
 
-from symphony_os.fiber import (_HOST_OBJECTS, MAX_PREFETCHED_OBJECTS, AsyncLinker, EpochTicker, Fiber, Pending,
-                               Ready, make_async_engine, set_time_slice)
+from symphony_os.wasm.fiber import (_HOST_OBJECTS, MAX_PREFETCHED_OBJECTS, AsyncLinker, EpochTicker, Fiber, Pending,
+                                    Ready, make_async_engine, set_time_slice)
 
 I32 = wasmtime.ValType.i32()
 
@@ -182,7 +182,7 @@ def test_epoch_preemption_lets_other_guests_finish():
 # only if the epoch ticks while this thread holds the GIL.
 TICKS_WITHOUT_THE_GIL = """
 import ctypes, wasmtime
-from symphony_os import fiber
+from symphony_os.wasm import fiber
 engine = fiber.make_async_engine()
 store = wasmtime.Store(engine)
 fiber.set_time_slice(store, 1)
@@ -589,7 +589,7 @@ def test_a_blocking_function_takes_at_most_sixteen_parameters():
 def test_a_blocking_call_outside_fiber_poll_traps_the_guest():
     """Only `Fiber.poll` tells the C callback where to record a call: a future polled any other
     way gets a trap, never a write through a null slot."""
-    from symphony_os import fiber as fiber_module
+    from symphony_os.wasm import fiber as fiber_module
 
     queue = WaitQueue()
     engine, linker, module = make_guest_env(queue, epoch_interruption=False)

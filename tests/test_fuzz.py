@@ -8,11 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-from hypothesis import example, given
-
 import fuzzing
+import pytest
 from fuzzing import KNOWN_INPUTS, FuzzHost, call_sequence, encode, fuzz_settings, module_bytes
+from hypothesis import example, given
 
 HOSTCALL_INPUTS, MODULE_INPUTS = 1500, 1500
 GUIDED_RUNS = 400

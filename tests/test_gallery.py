@@ -3,11 +3,11 @@ import json
 import re
 
 import pytest
-
 from guests import lip
-from symphony_os.engine import Engine
-from symphony_os.runtime import Runtime
-from symphony_os.tools import DOCS
+
+from symphony_os.engine.loop import Engine
+from symphony_os.lip.runtime import Runtime
+from symphony_os.lip.tools import DOCS
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_tool_call_refuses_unregistered_tools(runtime):
         out, _ = run(runtime, "tool_use", ["<read>cat</read>", "1"])
         assert "error -13" in out  # unsupported: the operator registered no such tool
     finally:
-        runtime.tools.register("docs", __import__("symphony_os.tools").tools.docs)
+        runtime.tools.register("docs", __import__("symphony_os.lip.tools").lip.tools.docs)
 
 
 def test_graph_of_thought_prefills_once_forks_and_merges(runtime, engine):

@@ -3,8 +3,8 @@ import gc
 import subprocess
 import sys
 
-from symphony_os.gc_tuning import SERVING_GC_THRESHOLD, serving_gc, tune_gc, untune_gc
-from symphony_os.runtime import Runtime
+from symphony_os.engine.gc_tuning import SERVING_GC_THRESHOLD, serving_gc, tune_gc, untune_gc
+from symphony_os.lip.runtime import Runtime
 
 
 def gc_state():
@@ -44,7 +44,7 @@ def test_garbage_is_collected_before_freezing_except_the_first_time_asked():
     frozen for good."""
     script = """
 import gc, weakref
-from symphony_os.gc_tuning import tune_gc, untune_gc
+from symphony_os.engine.gc_tuning import tune_gc, untune_gc
 full = []
 gc.callbacks.append(lambda phase, info: full.append(1) if phase == "start" and info["generation"] == 2 else None)
 tune_gc(collect_all=False)

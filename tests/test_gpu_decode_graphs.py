@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from symphony_os.engine import Engine
-from symphony_os.model_runner import SequenceInput
-from symphony_os.sampling import Sample
+from symphony_os.engine.loop import Engine
+from symphony_os.engine.model_runner import SequenceInput
+from symphony_os.engine.sampling import Sample
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 

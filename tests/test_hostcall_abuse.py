@@ -7,14 +7,15 @@ import time
 from pathlib import Path
 
 import pytest
-
 from guests import ECHO, build_c, rust_test_guest, wat
+
+from symphony_os.engine.sampling import GreedyEach
 from symphony_os.errors import ErrorCode as E
-from symphony_os.hostcalls import MAX_TEXT_BYTES, MIN_SLEEP_S, HostCalls
-from symphony_os.limits import ProcessLimits
-from symphony_os.process import EXIT_KILLED
-from symphony_os.runtime import Runtime
-from symphony_os.sampling import GreedyEach
+from symphony_os.lip.core_abi import MIN_SLEEP_S, CoreCalls
+from symphony_os.lip.syscalls import MAX_TEXT_BYTES
+from symphony_os.lip.limits import ProcessLimits
+from symphony_os.lip.process import EXIT_KILLED
+from symphony_os.lip.runtime import Runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = 65536  # the guest has one page of memory
@@ -93,7 +94,7 @@ def arg(value):
 
 
 def abusive_module() -> bytes:
-    table = HostCalls.table()
+    table = CoreCalls.table()
     imports = "\n".join(
         f'(import "symphony" "{name}" (func ${name} (param {" i32" * n}) (result i32)))' if n else
         f'(import "symphony" "{name}" (func ${name} (result i32)))' for name, n in table.items())
@@ -127,11 +128,11 @@ def abusive_module() -> bytes:
 
 
 def test_every_call_with_arguments_is_abused():
-    assert {name for name, _, _ in CASES} == {name for name, n in HostCalls.table().items() if n}
+    assert {name for name, _, _ in CASES} == {name for name, n in CoreCalls.table().items() if n}
 
 
 def test_hostile_arguments_get_error_codes_and_others_carry_on(tiny_engine):
-    from symphony_os.sampling import Sample
+    from symphony_os.engine.sampling import Sample
 
     with Runtime(tiny_engine) as runtime:
         # A well-behaved neighbour, through the same engine, before and after.

@@ -5,15 +5,15 @@ import re
 from dataclasses import replace
 
 import pytest
-
 from guests import lip, wat
 from hostile import CORPUS, sent_i32s
 from served import wait_until
-from symphony_os.engine import Engine
-from symphony_os.limits import ProcessLimits
-from symphony_os.process import EXIT_KILLED
-from symphony_os.program import ProgramError
-from symphony_os.runtime import Runtime
+
+from symphony_os.engine.loop import Engine
+from symphony_os.lip.limits import ProcessLimits
+from symphony_os.lip.process import EXIT_KILLED
+from symphony_os.lip.runtime import Runtime
+from symphony_os.wasm.program import ProgramError
 
 # The corpus runs under tight limits, so that each kind hits its limit quickly.
 TIGHT = ProcessLimits(cpu_time_s=1.0, memory_bytes=16 * 2**20, output_bytes=2**20, kv_handles=64, kv_pages=8)
@@ -78,7 +78,7 @@ def test_hostile_guest(host, kind):
         if case.sends is not None:
             got = sent_i32s(b"".join(sent))
             assert case.sends(got), got
-        assert offender.kv.open_handles == 0 and not offender.hostcalls.tickets
+        assert offender.kv.open_handles == 0 and not offender.syscalls.tickets
     for process, out, expected in zip(neighbours, outputs, alone):
         assert runtime.wait(process, 120) == 0, process.end_reason
         assert b"".join(out) == expected

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from symphony_os.errors import ErrorCode
-from symphony_os.wit import component_signatures, read_wit
+from symphony_os.wasm.wit import component_signatures, read_wit
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = (ROOT / "guest_sdk" / "c" / "symphony.h").read_text()
@@ -89,11 +89,11 @@ PYTHON_WIT = (ROOT / "guest_sdk" / "python" / "wit" / "symphony.wit").read_text(
 
 
 def _host_constants() -> dict[str, int]:
-    from symphony_os import hostcalls
-    from symphony_os.kvfs import OpenFlags
+    from symphony_os.kv.kvfs import OpenFlags
+    from symphony_os.lip import core_abi
 
-    return {"PRED_DIST": hostcalls.KIND_DISTRIBUTION, "PRED_TOPK": hostcalls.KIND_TOPK,
-            "PRED_SAMPLE": hostcalls.KIND_SAMPLE, "PRED_GREEDY_EACH": hostcalls.KIND_GREEDY_EACH,
+    return {"PRED_DIST": core_abi.KIND_DISTRIBUTION, "PRED_TOPK": core_abi.KIND_TOPK,
+            "PRED_SAMPLE": core_abi.KIND_SAMPLE, "PRED_GREEDY_EACH": core_abi.KIND_GREEDY_EACH,
             "KV_CREATE": OpenFlags.CREATE, "KV_EXCLUSIVE": OpenFlags.EXCLUSIVE, "KV_READ_ONLY": OpenFlags.READ_ONLY,
             "HINT_PINNED": 1, "HINT_DROP_ON_CLOSE": 2}
 
@@ -118,7 +118,7 @@ def test_sdk_constants_match_the_host():
 
 def test_sampling_record_layout_is_the_same_in_every_sdk():
     """The host's struct format, C's field order, Rust's #[repr(C)] struct, AssemblyScript's offsets."""
-    from symphony_os.hostcalls import SAMPLING_RECORD
+    from symphony_os.lip.core_abi import SAMPLING_RECORD
 
     assert SAMPLING_RECORD.format == "<ffiiQiiiii4x" and SAMPLING_RECORD.size == 48
     fields = ["temperature", "top_p", "top_k", "has_seed", "seed", "allowed", "n_allowed", "bias_ids",
@@ -165,3 +165,15 @@ interface things {
     }
     with pytest.raises(ValueError, match="type 'mystery' is not one this reader knows"):
         component_signatures(broken)
+
+
+def test_the_core_abi_serves_every_call_of_the_wit_with_its_arity():
+    """Programs are checked against the WIT's call table and linked to CoreCalls' methods, one
+    per call, each taking the guest memory and the WIT's parameters."""
+    from symphony_os.lip.core_abi import CoreCalls
+
+    functions, _ = read_wit()
+    for function in functions:
+        method = getattr(CoreCalls, function.core_name, None)
+        assert method is not None, function.core_name
+        assert method.__code__.co_argcount - 2 == len(function.params), function.core_name

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from symphony_os.kernels.norm_rope import add_rms_norm, rms_norm, rope
-from symphony_os.model import apply_rope
-from symphony_os.model import rms_norm as torch_rms_norm
+from symphony_os.model.decoder import apply_rope
+from symphony_os.model.decoder import rms_norm as torch_rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CASES = [

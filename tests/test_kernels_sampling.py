@@ -30,7 +30,7 @@ def processed_logits(logits: torch.Tensor, bias: dict[int, float] | None, allowe
 
 
 def reference_probs(x: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """The distribution one row is drawn from (float64), as symphony_os.sampling defines it."""
+    """The distribution one row is drawn from (float64), as symphony_os.engine.sampling defines it."""
     if temperature == 0:
         return torch.nn.functional.one_hot(x.argmax(), x.numel()).double()
     y = (x - x.max()) / temperature

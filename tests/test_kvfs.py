@@ -4,12 +4,11 @@ import itertools
 import pytest
 import torch
 
-from symphony_os.errors import (BadHandle, FileBusy, FileExists, FileNotFound, InvalidArgument,
-                                LimitExceeded, PermissionDenied, PoolExhausted, PositionError,
-                                ReadOnlyFile)
-from symphony_os import kvfs as kvfs_module
-from symphony_os.kvfs import KVFS, OpenFlags
-from symphony_os.pool import KVPool
+from symphony_os.errors import (BadHandle, FileBusy, FileExists, FileNotFound, InvalidArgument, LimitExceeded,
+                                PermissionDenied, PoolExhausted, PositionError, ReadOnlyFile)
+from symphony_os.kv import kvfs as kvfs_module
+from symphony_os.kv.kvfs import KVFS, OpenFlags
+from symphony_os.kv.pool import KVPool
 
 PAGE = 4
 _marks = itertools.count(1)

@@ -6,12 +6,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from symphony_os.engine.sampling import GREEDY
+from symphony_os.engine.scheduler import PredRequest
 from symphony_os.errors import LimitExceeded
-from symphony_os.kvfs import KVFS
-from symphony_os.limits import ProcessLimits, Usage, check_kv_pages
-from symphony_os.pool import KVPool
-from symphony_os.sampling import GREEDY
-from symphony_os.scheduler import PredRequest
+from symphony_os.kv.kvfs import KVFS
+from symphony_os.kv.pool import KVPool
+from symphony_os.lip.syscalls import check_kv_pages
+from symphony_os.lip.limits import ProcessLimits, Usage
 
 
 def test_a_pred_in_flight_counts_once_while_queued_running_and_done():
@@ -24,7 +25,7 @@ def test_a_pred_in_flight_counts_once_while_queued_running_and_done():
     handle = kv.create()
     request = PredRequest(kv.take_for_pred(handle), list(range(16)), None, GREEDY)  # 4 pages
     process = SimpleNamespace(limits=SimpleNamespace(kv_pages=5), kv=kv, engine=SimpleNamespace(pool=pool),
-                              hostcalls=SimpleNamespace(tickets={1: request}))
+                              syscalls=SimpleNamespace(tickets={1: request}))
     check_kv_pages(process, handle, 4)  # queued: 4 pages, and 1 for 4 tokens more
     with pytest.raises(LimitExceeded, match="its files hold 0 of 5 pages, 6 more needed"):
         check_kv_pages(process, handle, 5)
@@ -58,8 +59,9 @@ def test_an_end_by_a_limit_is_told_from_other_ends(tiny_engine, body, limits, by
     from dataclasses import replace
 
     from guests import wat
-    from symphony_os.limits import ProcessLimits, ended_by_limit
-    from symphony_os.runtime import Runtime
+
+    from symphony_os.lip.limits import ProcessLimits, ended_by_limit
+    from symphony_os.lip.runtime import Runtime
 
     module = wat(f'(module (memory (export "memory") 1) (func (export "_start") {body}))')
     with Runtime(tiny_engine) as runtime:

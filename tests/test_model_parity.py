@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import build_hf_model
 from transformers import AutoModelForCausalLM
 
-from conftest import build_hf_model
-from symphony_os.engine import Engine
-from symphony_os.loader import ModelLoadError, load_model
-from symphony_os.model_runner import SequenceInput
+from symphony_os.engine.loop import Engine
+from symphony_os.engine.model_runner import SequenceInput
+from symphony_os.model.loader import ModelLoadError, load_model
 
 TOLERANCE = 1e-4
 

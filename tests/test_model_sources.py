@@ -9,14 +9,14 @@ import huggingface_hub.constants
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import SHARED_MODEL, build_hf_model, greedy_continuation
+from test_model_parity import PROMPT, _our_logits, assert_matches_transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import SHARED_MODEL, build_hf_model, greedy_continuation
 from symphony_os.cli import main
-from symphony_os.engine import Engine
-from symphony_os.loader import (DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME, ModelLoadError, check_device, default_model_path,
-                                load_model)
-from test_model_parity import PROMPT, _our_logits, assert_matches_transformers
+from symphony_os.engine.loop import Engine
+from symphony_os.model.loader import (DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME, ModelLoadError, check_device,
+                                      default_model_path, load_model)
 
 GGUF = SHARED_MODEL.parent / "stories260K.gguf"
 
@@ -242,7 +242,7 @@ def test_rope_parameters_are_read_from_either_transformers_generation():
     type sometimes under the legacy key `type`: read from either, a scaling is never dropped."""
     from types import SimpleNamespace
 
-    from symphony_os.model import rope_parameters
+    from symphony_os.model.decoder import rope_parameters
 
     v5 = SimpleNamespace(rope_parameters={"rope_type": "llama3", "factor": 8.0}, rope_scaling=None)
     v4 = SimpleNamespace(rope_scaling={"rope_type": "llama3", "factor": 8.0})

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from symphony_os import native_build
-from symphony_os.native_build import NativeBuildError, load_library
+from symphony_os.wasm import native_build
+from symphony_os.wasm.native_build import NativeBuildError, load_library
 
 
 @pytest.fixture(autouse=True)
@@ -129,7 +129,7 @@ def _build_elsewhere(tmp_path: Path, answer: int, cache_of: Path | None = None) 
     tmp_path.mkdir(exist_ok=True)
     env = dict(os.environ, **({"XDG_CACHE_HOME": str(cache_of)} if cache_of else {}))
     path = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
-                           "from symphony_os import native_build; "
+                           "from symphony_os.wasm import native_build; "
                            "print(native_build.load_library(Path(sys.argv[1]))._name)", str(source(tmp_path, answer))],
                           check=True, env=env, capture_output=True, text=True).stdout.strip()
     return Path(path)
@@ -138,7 +138,8 @@ def _build_elsewhere(tmp_path: Path, answer: int, cache_of: Path | None = None) 
 def test_every_cache_of_symphony_is_under_one_root(tmp_path, monkeypatch):
     """$SYMPHONY_CACHE moved only the compiled components, and $XDG_CACHE_HOME moved only the
     native library and the built-in LIPs: one root now, for all three."""
-    from symphony_os import builtin_lips, compile_cache
+    from symphony_os.server import builtin_lips
+    from symphony_os.wasm import compile_cache
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)

@@ -9,9 +9,9 @@ import zipfile
 from pathlib import Path
 
 from click.testing import CliRunner
+from test_python_sdk import python_lip
 
 from symphony_os.cli import main
-from test_python_sdk import python_lip
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,9 +29,9 @@ main()
 """
 COMPLETE = INSTALLED + """
 from fastapi.testclient import TestClient
-from symphony_os.engine import Engine
-from symphony_os.loader import default_model_path
-from symphony_os.server import create_app
+from symphony_os.engine.loop import Engine
+from symphony_os.model.loader import default_model_path
+from symphony_os.server.app import create_app
 engine = Engine.from_path(default_model_path(), device="cpu", num_pages=256)
 with TestClient(create_app(engine), base_url="http://localhost") as client:  # an open server answers its own names
     response = client.post("/v1/completions", json={"model": engine.loaded.name, "prompt": "def main():",

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from symphony_os.errors import PoolExhausted
-from symphony_os.pool import KVPool
+from symphony_os.kv.pool import KVPool
 
 
 def make_pool(num_pages=8, page_size=4):

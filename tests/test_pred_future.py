@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from symphony_os.pred_future import PredFuture
+from symphony_os.engine.pred_future import PredFuture
 
 
 def test_result_error_and_callbacks():

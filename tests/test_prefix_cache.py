@@ -4,11 +4,12 @@ not make must leave nothing behind."""
 import struct
 
 from hostile import guest, report, sent_i32s
+
 from symphony_os.errors import PoolExhausted
-from symphony_os.kvfs import KVFS
-from symphony_os.pool import KVPool
-from symphony_os.prefix_cache import PrefixCache, cache_owner, page_keys
-from symphony_os.runtime import Runtime
+from symphony_os.kv.kvfs import KVFS
+from symphony_os.kv.pool import KVPool
+from symphony_os.kv.prefix_cache import PrefixCache, cache_owner, page_keys
+from symphony_os.lip.runtime import Runtime
 
 PROMPT = list(range(1, 9)) + [9]  # two whole pages of 4, and one token to feed
 OTHER = list(range(100, 108))

@@ -1,11 +1,12 @@
-"""Uploaded programs (symphony_os/program_store.py): shared compiled code, tenants' own names,
+"""Uploaded programs (symphony_os/server/program_store.py): shared compiled code, tenants' own names,
 private files."""
 import hashlib
 import stat
 
 from guests import wat
-from symphony_os.program_store import ProgramStore
-from symphony_os.runtime import Runtime
+
+from symphony_os.lip.runtime import Runtime
+from symphony_os.server.program_store import ProgramStore
 
 # Sends its argv[0] (WASI args_get; run it with one argument: argv[1] marks argv[0]'s end).
 ARGV0 = wat('''(module

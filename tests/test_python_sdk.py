@@ -11,18 +11,19 @@ from pathlib import Path
 import pytest
 import wasmtime
 from click.testing import CliRunner
-
 from guests import lip
+
 from symphony_os.cli import main
-from symphony_os.component import _INTERFACES, describe_func
-from symphony_os.engine import Engine
-from symphony_os.fiber import make_async_engine
+from symphony_os.engine.loop import Engine
 from symphony_os.errors import ErrorCode
-from symphony_os.limits import ProcessLimits
-from symphony_os.process import EXIT_KILLED, EXIT_TRAPPED
-from symphony_os.program import ProgramError
-from symphony_os.runtime import Runtime
-from symphony_os.wit import component_signatures, read_wit
+from symphony_os.lip.component import _INTERFACES
+from symphony_os.lip.limits import ProcessLimits
+from symphony_os.lip.process import EXIT_KILLED, EXIT_TRAPPED
+from symphony_os.lip.runtime import Runtime
+from symphony_os.wasm.component import describe_func
+from symphony_os.wasm.fiber import make_async_engine
+from symphony_os.wasm.program import ProgramError
+from symphony_os.wasm.wit import component_signatures, read_wit
 
 ROOT = Path(__file__).resolve().parent.parent
 SDK = ROOT / "guest_sdk" / "python"
@@ -183,7 +184,7 @@ def test_python_guest_killed_while_waiting_on_pred_ends_and_frees_its_kv(engine)
         assert runtime.wait(process, 30) == EXIT_KILLED
         hello, _ = run(runtime, python_lip("hello"), ["Once upon a time", "4"])
         assert hello.startswith("Once upon a time")
-    assert not process.component_calls.distributions
+    assert not process.abi.distributions
 
 
 def test_python_guest_runs_into_the_same_limits_as_a_core_module(engine):
@@ -200,7 +201,7 @@ def test_python_guest_runs_into_the_same_limits_as_a_core_module(engine):
         "pages": "LimitExceeded", "held": "10 LimitExceeded", "pred-drop-loop": "ok",
         "detokenize-2M": "InvalidArgument", "tokenize-2MB": "InvalidArgument", "rate-limited": "True",
     }
-    assert not process.component_calls.distributions
+    assert not process.abi.distributions
 
 
 def test_text_stream_holds_back_a_character_until_its_tokens_have_all_come(engine):
@@ -268,8 +269,8 @@ def test_a_python_guest_tokenizes_a_long_text_off_the_worker(engine, monkeypatch
 
 EXIT_AFTER_A_LOGGING_GUEST = """
 import sys, time
-from symphony_os.engine import Engine
-from symphony_os.runtime import Runtime
+from symphony_os.engine.loop import Engine
+from symphony_os.lip.runtime import Runtime
 engine = Engine.from_path(sys.argv[1], device="cpu", page_size=16, num_pages=256)
 with Runtime(engine, drive_in_caller=True) as runtime:
     process = runtime.spawn(runtime.load(sys.argv[2]), ["crash"], on_log=lambda text: None)

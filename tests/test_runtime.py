@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-
 from guests import ECHO, lip, wat
-from symphony_os import engine as engine_module
+
 from symphony_os.cli import main
-from symphony_os.engine import Engine
-from symphony_os.limits import ProcessLimits
-from symphony_os.process import EXIT_KILLED, EXIT_TRAPPED, ProcessState
-from symphony_os.program import ProgramError
-from symphony_os.runtime import Runtime
-from symphony_os.sampling import Distribution, Sample, TopK
+from symphony_os.engine import loop as engine_module
+from symphony_os.engine.loop import Engine
+from symphony_os.engine.sampling import Distribution, Sample, TopK
+from symphony_os.lip.limits import ProcessLimits
+from symphony_os.lip.process import EXIT_KILLED, EXIT_TRAPPED, ProcessState
+from symphony_os.lip.runtime import Runtime
+from symphony_os.wasm.program import ProgramError
 
 
 @pytest.fixture
@@ -264,7 +264,7 @@ def test_a_host_error_in_one_process_ends_it_and_the_worker_goes_on(tiny_engine)
     processes sharing its worker thread finish."""
     import wasmtime
 
-    from symphony_os.program import Program
+    from symphony_os.wasm.program import Program
 
     with Runtime(tiny_engine, workers=1) as runtime:
         module = wasmtime.Module(runtime.wasm_engine, BAD_MODULES["_start with parameters"][0])
@@ -292,7 +292,7 @@ def test_symphony_run_gives_stdin_lines_as_bytes_and_ends_input_at_a_line_too_lo
     """A line not in UTF-8 killed the stdin thread, and the program waited in recv forever; one
     longer than the inbox was retried forever. Lines go as bytes, without \\r\\n; a line over the
     limit of a message ends the input, with a warning."""
-    from symphony_os.cli_client import MAX_LINE_BYTES
+    from symphony_os.client.commands import MAX_LINE_BYTES
 
     path = tmp_path / "echo.wasm"
     path.write_bytes(ECHO)
@@ -355,8 +355,8 @@ INTERRUPTED_IN_THE_LAST_ROUND = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[2])
 from guests import wat
-from symphony_os.engine import Engine
-from symphony_os.runtime import Runtime
+from symphony_os.engine.loop import Engine
+from symphony_os.lip.runtime import Runtime
 engine = Engine.from_path(sys.argv[1], device="cpu", page_size=16, num_pages=64)
 guest = wat('(module (import "symphony" "send" (func $send (param i32 i32) (result i32))) (memory (export "memory") 1) '
             '(func (export "_start") (drop (call $send (i32.const 0) (i32.const 2)))))')

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from symphony_os.sampling import (KERNEL_MAX_TOP_K, Distribution, Sample, TopK, process_logits_batched,
-                                  process_logits_reference)
+from symphony_os.engine.sampling import (KERNEL_MAX_TOP_K, Distribution, Sample, TopK, process_logits_batched,
+                                         process_logits_reference)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB = 300
@@ -148,7 +148,7 @@ def test_distribution_into_a_buffer_is_written_there_as_the_batch_is_answered(ro
 @pytest.mark.parametrize("rows", [1, 8])
 def test_a_kept_host_distribution_holds_its_own_row_only(rows):
     """A result holds one row's worth of memory, not the whole batch's logits: a LIP's unwaited
-    tickets are counted at one row each (hostcalls' distribution_bytes)."""
+    tickets are counted at one row each (syscalls' distribution_bytes)."""
     results = process_logits_reference(random_logits(rows, seed=5), [Distribution()] * rows, torch.Generator())
     for result in results:
         held = result.logits if result.logits is not None else result.distribution

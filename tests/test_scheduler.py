@@ -1,7 +1,7 @@
 """The batch scheduler's policy, on plain requests (no model)."""
-from symphony_os.kvfs import KvFile
-from symphony_os.sampling import Sample
-from symphony_os.scheduler import BatchScheduler, PredRequest
+from symphony_os.engine.sampling import Sample
+from symphony_os.engine.scheduler import BatchScheduler, PredRequest
+from symphony_os.kv.kvfs import KvFile
 
 
 def request(file_id, n, tenant="t"):

@@ -2,10 +2,10 @@
 same tokens as the C ones; the SDKs' helpers agree with torch."""
 import pytest
 import torch
-
 from guests import ROOT, as_lip, as_test_guest, build_c, lip, rust_lip, rust_test_guest
-from symphony_os.engine import Engine
-from symphony_os.runtime import Runtime
+
+from symphony_os.engine.loop import Engine
+from symphony_os.lip.runtime import Runtime
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def test_c_top_k_takes_any_k_the_host_serves(runtime, tmp_path, k):
     a ticket submitted for such a k could never be waited for."""
     import struct
 
-    from symphony_os.sampling import TopK
+    from symphony_os.engine.sampling import TopK
 
     out, log = [], []
     program = runtime.load(build_c(ROOT / "tests" / "c_guests" / "topk.c", tmp_path / "topk.wasm"))

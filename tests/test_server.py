@@ -14,15 +14,15 @@ import msgpack
 import pytest
 import websockets
 from click.testing import CliRunner
-
 from guests import ECHO, echo_guest, lip, wat
 from served import GRACE_S, INPUT_WAIT_S, MAX_UPLOAD_BYTES, TOKENS, served, wait_until  # noqa: F401 (fixture)
+
 from symphony_os.cli import main
-from symphony_os.client import AsyncClient, Client, ServerError
+from symphony_os.client.client import AsyncClient, Client, ServerError
 from symphony_os.errors import InputClosed
-from symphony_os.process import INBOX_BYTES, INBOX_MESSAGES
-from symphony_os.process_table import BUFFER_BYTES, LOG_TAIL_CHARS
-from symphony_os.server import _stream_process
+from symphony_os.lip.process import INBOX_BYTES, INBOX_MESSAGES
+from symphony_os.server.app import _stream_process
+from symphony_os.server.process_table import BUFFER_BYTES, LOG_TAIL_CHARS
 
 # Fills a KV file with 40 tokens (3 pages), says "ready", then waits for a message.
 HOLD_KV = wat('''(module

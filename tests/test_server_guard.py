@@ -1,4 +1,4 @@
-"""What every request passes before a route reads its body (symphony_os/http_guard.py): on a
+"""What every request passes before a route reads its body (symphony_os/server/guard.py): on a
 server without a tenants file, Host and Origin checks (DNS rebinding, other sites' pages); with
 one, the bearer token before the body; on both, a limit on every body."""
 from __future__ import annotations
@@ -9,13 +9,13 @@ import socket
 import httpx
 import pytest
 import websockets
-
 from guests import ECHO
 from served import TOKENS, served, serving  # noqa: F401 (fixture)
-from symphony_os.engine import Engine
-from symphony_os.http_guard import JSON_BODY_BYTES, Origins
-from symphony_os.server import ServerConfig, create_app
-from symphony_os.tenants import Tenants
+
+from symphony_os.engine.loop import Engine
+from symphony_os.server.app import ServerConfig, create_app
+from symphony_os.server.guard import JSON_BODY_BYTES, Origins
+from symphony_os.server.tenants import Tenants
 
 
 @pytest.fixture(scope="module")

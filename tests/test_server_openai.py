@@ -7,11 +7,11 @@ import threading
 import httpx
 import openai
 import pytest
-
 from guests import lip
 from served import SMALL_QUOTAS, TOKENS, served, wait_until  # noqa: F401 (fixture)
-from symphony_os.client import Client
-from symphony_os.completion import BranchText
+
+from symphony_os.client.client import Client
+from symphony_os.server.completion import BranchText
 
 PROMPT = "Once upon a time"
 

@@ -6,10 +6,10 @@ import threading
 
 import httpx
 import pytest
-
 from guests import ECHO, lip, wat
 from served import SMALL_QUOTAS, TIGHT_QUOTAS, TOKENS, served, wait_until  # noqa: F401 (fixture)
-from symphony_os.client import AsyncClient, Client, ServerError
+
+from symphony_os.client.client import AsyncClient, Client, ServerError
 
 SPIN = wat('(module (memory (export "memory") 1) (func (export "_start") (loop $l (br $l))))')
 
@@ -74,7 +74,13 @@ def test_a_tenant_cannot_read_open_list_kill_or_remove_another_tenants_things(se
     # bob's program, a running process of his, and a named KV file of his.
     bob_echo = bob.upload(kv_probe("kv_open", "x"), "bobs")["sha256"]
     bob_hold = bob.upload(SPIN, "spin")["sha256"]
+    # Each tenant numbers its own processes: a number none of alice's has, so that a 404 means
+    # that bob's is out of her reach (under one of hers she would find her own).
+    alice_pids = [p["pid"] for p in alice.ps(all=True)]
     bob_pid = bob.launch(bob_hold, detached=True)["pid"]
+    while bob_pid <= max(alice_pids, default=0):
+        bob.kill(bob_pid)
+        bob_pid = bob.launch(bob_hold, detached=True)["pid"]
     assert bob.run(bob.upload(lip("parallel"))["sha256"], ["A bird.", "2", "Hi"]).exit_code == 0
     bob_file = next(f["path"] for f in bob.kv_ls("prefix/"))
 

@@ -1,8 +1,8 @@
-"""The tenants file (symphony_os/tenants.py): what it accepts, and a clear error for the rest."""
+"""The tenants file (symphony_os/server/tenants.py): what it accepts, and a clear error for the rest."""
 import pytest
 
-from symphony_os.limits import ProcessLimits
-from symphony_os.tenants import Tenants, TenantsFileError
+from symphony_os.lip.limits import ProcessLimits
+from symphony_os.server.tenants import Tenants, TenantsFileError
 
 
 def tenants_file(tmp_path, quota: str):

@@ -1,7 +1,7 @@
-"""Deadlines for sleeping guests (symphony_os/timers.py)."""
+"""Deadlines for sleeping guests (symphony_os/lip/timers.py)."""
 import time
 
-from symphony_os.timers import Timers
+from symphony_os.lip.timers import Timers
 
 
 def test_futures_are_answered_at_their_deadlines_in_order():

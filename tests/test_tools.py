@@ -1,10 +1,10 @@
-"""Operator tools (symphony_os/tools.py): the calculator computes arithmetic and nothing else."""
+"""Operator tools (symphony_os/lip/tools.py): the calculator computes arithmetic and nothing else."""
 import re
 
 import pytest
 
 from symphony_os.errors import InvalidArgument, Unsupported
-from symphony_os.tools import DOCS, calculator, default_tools
+from symphony_os.lip.tools import DOCS, calculator, default_tools
 
 
 @pytest.mark.parametrize("expression, result", [("2+3*4", "14"), ("(1+2)/4", "0.75"), ("2**10", "1024"),
@@ -41,9 +41,10 @@ def test_a_tool_that_breaks_gets_internal_and_one_logged_traceback(tiny_engine, 
     import struct
 
     from guests import wat
+
     from symphony_os.errors import ErrorCode
-    from symphony_os.runtime import Runtime
-    from symphony_os.tools import ToolRegistry
+    from symphony_os.lip.runtime import Runtime
+    from symphony_os.lip.tools import ToolRegistry
 
     def broken(text: str) -> str:
         raise RuntimeError("the tool's backend is down")
@@ -65,5 +66,5 @@ def test_a_tool_that_breaks_gets_internal_and_one_logged_traceback(tiny_engine, 
         process = runtime.spawn(runtime.load(module, "loop"), on_output=out.append)
         assert runtime.wait(process, 60) == 0, process.end_reason
     assert struct.unpack("<i", b"".join(out)) == (ErrorCode.INTERNAL,)
-    tracebacks = [r for r in caplog.records if r.name == "symphony.hostcalls" and r.exc_info]
+    tracebacks = [r for r in caplog.records if r.name == "symphony.syscalls" and r.exc_info]
     assert len(tracebacks) == 1

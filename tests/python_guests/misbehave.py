@@ -15,7 +15,8 @@ import time
 
 import symphony
 from symphony import Kv, Sampler, TopK
-from wit_world.imports import inference, kv as raw_kv
+from wit_world.imports import inference
+from wit_world.imports import kv as raw_kv
 
 
 def outcome(call) -> str:

@@ -1,0 +1,356 @@
+"""The engine loop: takes `pred` requests from any thread, asks the batch scheduler for a plan,
+reserves KV slots through KVFS, runs the model once per batch, and completes each request with
+what it asked for. It owns no policy of its own: scheduling is in `scheduler.py`, memory in
+`kvfs.py`/`pool.py`, the model in `model_runner.py`."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InvalidArgument, PoolExhausted
+from ..kv.kvfs import KVFS, KvSession
+from ..kv.pool import KVPool
+from ..model.attention import select_backend
+from ..model.loader import LoadedModel, load_model
+from .gc_tuning import tune_gc, untune_gc
+from .model_runner import ModelRunner, SequenceInput
+from .pred_future import PredFuture
+from .sampling import GREEDY, GreedyEach, PredResult, Want, process_logits, validate_want
+from .scheduler import BatchPlan, BatchScheduler, PredRequest
+
+DEFAULT_CPU_KV_BYTES = 512 * 2**20
+GPU_KV_FRACTION = 0.8  # of the device memory free after the weights
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters since the engine started. Times in seconds."""
+
+    batches: int
+    requests: int
+    sequences: int
+    tokens: int
+    queue_wait_s: float
+    forward_s: float
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.sequences / self.batches if self.batches else 0.0
+
+    @property
+    def tokens_per_batch(self) -> float:
+        return self.tokens / self.batches if self.batches else 0.0
+
+    @property
+    def mean_queue_wait_ms(self) -> float:
+        return 1000 * self.queue_wait_s / self.requests if self.requests else 0.0
+
+
+def default_num_pages(loaded: LoadedModel, page_size: int) -> int:
+    cfg, device = loaded.config, loaded.model.device
+    element = torch.empty((), dtype=loaded.model.dtype).element_size()
+    bytes_per_page = 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * element
+    budget = DEFAULT_CPU_KV_BYTES
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * GPU_KV_FRACTION)
+    return max(1, budget // bytes_per_page)
+
+
+def _no_tokenizer(*_args, **_kwargs):
+    raise InvalidArgument("this model was loaded without a tokenizer: pass token ids")
+
+
+def direct_decode(tokenizer):
+    """`tokenizer.decode`, or the Rust tokenizer's own decode where transformers' adds nothing
+    (a fast tokenizer without clean-up of spaces): the same text for 2-3 us less Python per
+    call, which LIPs streaming text pay on every token (measured: 7.4 against 9.5 us for 12
+    tokens, and the wrapper's objects are cold after each forward pass)."""
+    if tokenizer is None:  # a model built in memory (bench/gpu.py's random weights)
+        return _no_tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer.decode
+    return backend.decode
+
+
+class Engine:
+    """Model + KV pool + KVFS + batch scheduler, driven by `step()` or a background thread."""
+
+    def __init__(self, loaded: LoadedModel, page_size: int = 16, num_pages: int | None = None,
+                 token_budget: int = 512, max_batch_size: int = 256, attention: str | None = None,
+                 max_model_len: int | None = None):
+        """`max_model_len`: the most tokens a KV file may hold (default: the model's context,
+        `max_position_embeddings`)."""
+        self.loaded = loaded
+        cfg = loaded.config
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
+        self.pool = KVPool(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+            num_pages or default_num_pages(loaded, page_size), page_size,
+            loaded.model.dtype, loaded.model.device,
+        )
+        self.kvfs = KVFS(self.pool, max_file_tokens=self.max_model_len)
+        self.scheduler = BatchScheduler(token_budget, max_batch_size)
+        self.backend = select_backend(loaded.model.device, attention, page_size, loaded.model.dtype)
+        self.runner = ModelRunner(loaded.model, self.pool, self.backend)
+        self._generator = torch.Generator().manual_seed(0)
+        self._decode = direct_decode(loaded.tokenizer)
+        self._queue_mutex = threading.Lock()  # taken directly: a Condition's own `with` is Python code
+        self._queue_lock = threading.Condition(self._queue_mutex)
+        self._step_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._tokenizer_thread: ThreadPoolExecutor | None = None  # tokenize_later's, made on first use
+        self._counters = dict(batches=0, requests=0, sequences=0, tokens=0, queue_wait_s=0.0, forward_s=0.0)
+
+    @classmethod
+    def from_path(cls, path, device: str | None = None, dtype: str | None = None, **kwargs) -> "Engine":
+        return cls(load_model(path, dtype=dtype, device=device), **kwargs)
+
+    # ---- the Python API ----
+
+    def session(self, tenant: str = "default") -> KvSession:
+        return self.kvfs.session(tenant)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.loaded.tokenizer is None:
+            _no_tokenizer()
+        return self.loaded.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def tokenize_later(self, text: str, add_special_tokens: bool = True) -> PredFuture:
+        """`tokenize` on the engine's tokenizer thread: a future of (token ids, the thread's CPU
+        seconds for them), answered in the order asked. For long texts (a MiB takes 0.5-1.7 s
+        here), whose caller must not hold its own thread that long; the tokenizer releases the
+        GIL while it works."""
+        if self._tokenizer_thread is None:
+            with self._queue_mutex:
+                if self._tokenizer_thread is None:
+                    self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="symphony-tokenize")
+        future = PredFuture()
+
+        def work() -> None:
+            started = time.thread_time()
+            try:
+                ids = self.tokenize(text, add_special_tokens)
+            except BaseException as error:  # the caller's to see (no tokenizer, say)
+                future.set_exception(error)
+                return
+            future.set_result((ids, time.thread_time() - started))
+
+        self._tokenizer_thread.submit(work)
+        return future
+
+    def submit(self, session: KvSession, handle: int, tokens: list[int], positions: list[int] | None = None,
+               want: Want = GREEDY) -> PredFuture:
+        """Queue a pred: append `tokens` to the file behind `handle` (at `positions`; None
+        continues the file) and answer `want`. Returns a PredFuture of PredResult (or the error)."""
+        return self.submit_request(session, handle, tokens, positions, want).future
+
+    def submit_request(self, session: KvSession, handle: int, tokens: list[int], positions: list[int] | None = None,
+                       want: Want = GREEDY) -> PredRequest:
+        """submit(), returning the queued request itself (its file, the tokens it has yet to
+        append) as well as its future: for callers that account for what is in flight."""
+        vocab = self.loaded.config.vocab_size
+        tokens = list(tokens)
+        if not tokens:
+            raise InvalidArgument("pred needs at least one token")
+        if len(tokens) == 1:  # a decode step: no generator to set up
+            if not isinstance(tokens[0], int) or not 0 <= tokens[0] < vocab:
+                raise InvalidArgument(f"token ids must be integers in [0, {vocab})")
+        elif any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
+            raise InvalidArgument(f"token ids must be integers in [0, {vocab})")
+        if positions is not None:
+            positions = list(positions)
+            if len(positions) != len(tokens):
+                raise InvalidArgument(f"{len(tokens)} tokens but {len(positions)} positions")
+            if len(positions) == 1:  # a decode step: the check without a generator
+                valid = isinstance(positions[0], int) and -2**31 <= positions[0] < 2**31
+            else:
+                valid = all(isinstance(p, int) and -2**31 <= p < 2**31 for p in positions)
+            if not valid:
+                raise InvalidArgument("positions must be 32-bit integers, as the guest ABI passes them")
+        validate_want(want, vocab)
+        request = PredRequest(session.take_for_pred(handle), tokens, positions, want)
+        with self._queue_mutex:
+            self.scheduler.add(request)
+            if self._thread is not None:  # only the background loop waits on the queue
+                self._queue_lock.notify()
+        return request
+
+    def pred(self, session: KvSession, handle: int, tokens: list[int], positions: list[int] | None = None,
+             want: Want = GREEDY) -> PredResult:
+        """submit() and wait; without a background thread, runs batches in this thread."""
+        future = self.submit(session, handle, tokens, positions, want)
+        if self._thread is None:
+            while not future.done():
+                self.step()
+        return future.result()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(**self._counters)
+
+    # ---- the loop ----
+
+    def step(self) -> bool:
+        """Run one batch; False when nothing was waiting."""
+        with self._step_lock:
+            with self._queue_mutex:
+                plan = self.scheduler.schedule()
+            if plan is None:
+                return False
+            files = [chunk.request.file for chunk in plan.chunks]
+            with self.kvfs.protect(files):
+                runnable, seqs = self._prepare(plan)
+                if runnable:
+                    self._run(runnable, seqs)
+            return True
+
+    def _prepare(self, plan: BatchPlan):
+        """Reserve KV slots for each chunk; a chunk that cannot run fails its request (or, when
+        only memory is short and others run, waits for the next batch)."""
+        runnable, seqs, failed, short = [], [], [], []
+        now = time.perf_counter()
+        kvfs = self.kvfs
+        with kvfs.lock:  # once per batch, not per chunk
+            clock = kvfs.clock()  # the files' last use: once per batch
+            for chunk in plan.chunks:
+                request, file = chunk.request, chunk.request.file
+                try:
+                    from_file = False  # positions taken from the file just now: reserve_slots checks none
+                    if request.length_before is None:
+                        request.length_before = file.length
+                        request.started_at = now
+                        if request.positions is None:
+                            start = file.next_position
+                            n = len(request.tokens)
+                            request.positions = [start] if n == 1 else list(range(start, start + n))
+                            from_file = start >= 0  # (a file merged at negative positions is checked)
+                    whole = chunk.count == len(request.tokens)  # no slices to make
+                    positions = request.positions if whole else request.positions[chunk.start:chunk.start + chunk.count]
+                    slots = kvfs.reserve_slots(file, positions, clock, from_file)
+                except PoolExhausted as error:
+                    short.append((request, None, error))
+                    continue  # others in this batch hold the memory: try again next batch
+                except Exception as error:  # a request that cannot run fails alone, never the engine's loop
+                    failed.append((request, None, error))
+                    continue
+                runnable.append(chunk)
+                each = isinstance(request.want, GreedyEach)
+                seqs.append(SequenceInput(
+                    tokens=request.tokens if whole else request.tokens[chunk.start:chunk.start + chunk.count],
+                    positions=positions,
+                    # The file's own page list, not a copy: no one else changes the pages of a
+                    # file with a pred in flight (truncate refuses it, eviction and swapping skip
+                    # it while protected), and the batch's one chunk per file appended already.
+                    slots=slots, page_table=file.pages, context_len=file.length,  # resident: reserved just now
+                    wants_logits=chunk.is_last and not each, greedy_each=each,
+                ))
+        if short and not runnable:  # none runs, so nothing frees pages for a next try: they fail
+            failed += short
+        if failed:
+            self._finish_all(failed)
+        return runnable, seqs
+
+    def _run(self, chunks, seqs) -> None:
+        started = time.perf_counter()
+        try:
+            logits = self.runner.run(seqs)  # a row per finishing chunk; GreedyEach chunks get argmax_each
+            wants = []
+            for chunk, seq in zip(chunks, seqs):
+                if seq.greedy_each:
+                    request = chunk.request
+                    request.greedy_each = (request.greedy_each or []) + seq.argmax_each
+                elif seq.wants_logits:
+                    wants.append(chunk.request.want)
+            results = process_logits(logits, wants, self._generator) if wants else []
+        except Exception as error:  # a failed forward fails its batch, not the engine
+            for chunk in chunks:
+                self._finish(chunk.request, error=error)
+            return
+        c = self._counters
+        c["batches"] += 1
+        c["sequences"] += len(chunks)
+        c["tokens"] += sum(len(s.tokens) for s in seqs)
+        c["forward_s"] += time.perf_counter() - started
+        done = iter(results)
+        finished = []
+        for chunk in chunks:
+            chunk.request.done += chunk.count
+            if chunk.is_last:
+                request = chunk.request
+                result = (PredResult(tokens=request.greedy_each or []) if isinstance(request.want, GreedyEach)
+                          else next(done))
+                error = result.error  # its row alone failed (process_logits_reference)
+                finished.append((request, result if error is None else None, error))
+        self._finish_all(finished)
+
+    def _finish(self, request: PredRequest, result: PredResult | None = None,
+                error: BaseException | None = None) -> None:
+        self._finish_all([(request, result, error)])
+
+    def _finish_all(self, outcomes: list[tuple[PredRequest, PredResult | None, BaseException | None]]) -> None:
+        """Take the requests out of the queue, release their files, complete their futures."""
+        with self._queue_mutex:
+            self.scheduler.remove_all([request for request, _, _ in outcomes])
+        kvfs = self.kvfs
+        started, waited = 0, 0.0
+        with kvfs.lock:
+            now = kvfs.clock()
+            for request, _, error in outcomes:
+                if request.started_at is not None:
+                    started += 1
+                    waited += request.started_at - request.submitted_at
+                file = request.file
+                if error is not None:
+                    file.failed_preds += 1
+                    if request.length_before is not None:
+                        # Undo the chunks already appended: a failed pred leaves the file as it was.
+                        kvfs.shrink(file, request.length_before)
+                file.inflight -= 1
+                kvfs.release(file, now)
+        counters = self._counters  # counted before the futures are answered: a waiter may read them
+        counters["requests"] += started
+        counters["queue_wait_s"] += waited
+        for request, result, error in outcomes:
+            request.future.settle(result, error)
+
+    def run_until_idle(self) -> None:
+        while self.step():
+            pass
+
+    def start(self) -> None:
+        """Run batches on a background thread until `stop()`; the GC is tuned for serving
+        meanwhile (gc_tuning.py). A caller driving `step()` itself can use `serving_gc()`."""
+        if self._thread is not None:
+            return
+        tune_gc()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="symphony-batch", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._queue_lock:
+                while not self.scheduler and not self._stopping:
+                    self._queue_lock.wait()
+                if self._stopping:
+                    return
+            self.step()
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        with self._queue_lock:
+            self._stopping = True
+            self._queue_lock.notify_all()
+        self._thread.join()
+        self._thread = None
+        untune_gc()

@@ -1,0 +1,386 @@
+"""What a `pred` call returns, and the logits processing that produces it.
+
+A request asks for one of four things (the `want` of a `PredRequest`):
+- `Distribution()`: the full next-token probability distribution (the paper's semantics);
+- `TopK(k)`: the k most likely ids with their log-probabilities;
+- `Sample(...)`: one token (greedy when temperature is 0), after logit bias, an allowed-token
+  mask, temperature, top-k and top-p;
+- `GreedyEach()`: the argmax after every appended token (speculative decoding's verification;
+  the engine answers it itself, from the logits of every row of the request).
+
+`process_logits` answers a batch: on CUDA with batched kernels on the device
+(`process_logits_batched`), elsewhere row by row on the host (`process_logits_reference`, the
+definition the device path is tested against).
+"""
+from __future__ import annotations
+
+import math
+import traceback
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgument
+
+# TopK rows up to this k take the sampling kernel's top log-probs (one pass over the row per
+# rank); beyond it, torch.topk's radix select costs less.
+KERNEL_MAX_TOP_K = 32
+
+FLOAT32_MAX = torch.finfo(torch.float32).max  # a logit bias beyond it is inf in the batch's float32 logits
+# The smallest temperature used: a smaller positive one is 0 in float32 (the device path ran it
+# greedy, the host divided by 0 and raised); at this one the tokens tied at the largest logit
+# are drawn among, the rest are at -inf.
+FLOAT32_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """Return the softmax of the logits (float32, length vocab_size).
+
+    `into`: a float32 CPU tensor of vocab_size where the host's softmax is written as the batch
+    is answered (a blocking pred's buffer in a suspended LIP's memory: no tensor of its own, no
+    copy); the result's `distribution` is then that tensor. The owner of that memory keeps it
+    alive and untouched until the request is answered. A device's distribution is not written
+    there (`PredResult.write_probs` copies it when it is delivered)."""
+
+    into: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    keep: object = field(default=None, compare=False, repr=False)  # what owns into's memory: held with the request
+
+
+@dataclass(frozen=True)
+class TopK:
+    """Return the `k` most likely token ids and their log-probabilities, most likely first."""
+
+    k: int
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Choose one token.
+
+    temperature 0 is greedy (argmax); any finite positive one, however small, samples (the
+    logits are scaled relative to the largest, so none overflows: a vanishing one draws among
+    the tokens tied at the largest logit). top_k keeps the k most likely tokens and every
+    token tied with the k-th; top_p, of those, the fewest most likely whose probability
+    reaches top_p and every token tied with the last of them (on the host and the device
+    alike). `seed` makes this one draw reproducible (a LIP that
+    wants a reproducible sequence passes seed + step); the draw for a seed differs between the
+    host and the device path, each is deterministic. `logit_bias` maps token id -> value added
+    to its logit; `allowed_tokens` restricts the choice to those ids (constrained decoding).
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict, hash=False)
+    allowed_tokens: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class GreedyEach:
+    """Return the greedy (argmax) next token after every appended token: n tokens for n inputs.
+    One such pred verifies a whole speculative draft."""
+
+
+Want = Distribution | TopK | Sample | GreedyEach
+GREEDY = Sample()  # the default: shared, since building a Sample costs more than using one
+
+
+@dataclass(slots=True)
+class PredResult:
+    """The answer to one `pred` request; only the fields its `want` asked for are set.
+
+    A distribution computed on a GPU stays there (`distribution`) until `probs` is read; the
+    host's for a batch of one row is not computed until asked for (`logits` holds the row):
+    `write_probs` then takes the softmax straight into its destination, a LIP's memory.
+    """
+
+    token: int | None = None
+    tokens: list[int] | None = None  # GreedyEach: one per appended token
+    top_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
+    distribution: torch.Tensor | None = None
+    logits: torch.Tensor | None = None  # a host Distribution's logits row, until its softmax is taken
+    error: BaseException | None = None  # this row failed (the engine fails its request alone)
+
+    @property
+    def probs(self) -> torch.Tensor | None:
+        """The distribution as a float32 CPU tensor (taken or copied from the device on first
+        read). Safe to read from more than one thread: `distribution` is set before `logits` is
+        cleared."""
+        if self.distribution is None:
+            logits = self.logits
+            if logits is not None:
+                self.distribution = torch.softmax(logits, dim=-1).cpu()
+                self.logits = None
+        elif self.distribution.device.type != "cpu":
+            self.distribution = self.distribution.cpu()
+        return self.distribution
+
+    @property
+    def vocab_size(self) -> int:
+        """The length of the distribution, without taking it (a Distribution's result only)."""
+        logits = self.logits
+        source = logits if logits is not None else self.distribution
+        if source is None:
+            raise ValueError("this result holds no distribution: its pred did not ask for one")
+        return source.numel()
+
+    def write_probs(self, out: torch.Tensor) -> None:
+        """Write the distribution into `out`, a float32 host tensor of `vocab_size`: the host's
+        softmax straight into it, or one copy from the device (measured on the CPU, 24,576
+        floats, caches cold as after a forward pass: 139 us against 151 for a softmax into a
+        tensor of its own and a copy of that)."""
+        if out.shape != (self.vocab_size,):
+            raise ValueError(f"write_probs needs room for exactly {self.vocab_size} floats, got {tuple(out.shape)}")
+        distribution = self.distribution
+        if (distribution is not None and distribution.data_ptr() == out.data_ptr()
+                and distribution.device == out.device):
+            return  # written there already (Distribution.into)
+        logits = self.logits
+        if logits is not None and logits.device == out.device:
+            torch.softmax(logits, dim=-1, out=out)
+        else:
+            out.copy_(self.distribution if self.distribution is not None else self.probs)
+
+
+def validate_want(want: Want, vocab_size: int) -> None:
+    """Raise InvalidArgument for a request that cannot be served."""
+    if want is GREEDY or isinstance(want, GreedyEach):
+        return
+    if isinstance(want, Distribution):
+        into = want.into
+        if into is not None and not (into.dtype == torch.float32 and into.device.type == "cpu" and into.dim() == 1):
+            raise InvalidArgument("a distribution's buffer must be a 1-D float32 CPU tensor")
+        return
+    if isinstance(want, TopK):
+        if not 1 <= want.k <= vocab_size:
+            raise InvalidArgument(f"top-k needs 1 <= k <= {vocab_size}, got {want.k}")
+        return
+    if not isinstance(want, Sample):
+        raise InvalidArgument(f"unknown pred output {want!r}")
+    if not 0 <= want.temperature < math.inf:
+        raise InvalidArgument(f"temperature must be finite and >= 0, got {want.temperature}")
+    if not 0 < want.top_p <= 1:
+        raise InvalidArgument(f"top_p must be in (0, 1], got {want.top_p}")
+    if want.top_k < 0:
+        raise InvalidArgument(f"top_k must be >= 0, got {want.top_k}")
+    if not all(abs(value) <= FLOAT32_MAX for value in want.logit_bias.values()):  # (NaN fails too)
+        raise InvalidArgument(f"logit_bias values must be finite float32 numbers (at most {FLOAT32_MAX:g})")
+    if want.seed is not None and not -2**63 <= want.seed < 2**64:
+        raise InvalidArgument(f"a seed is a 64-bit integer, got {want.seed}")
+    ids = list(want.logit_bias) + list(want.allowed_tokens or ())
+    if any(not isinstance(i, int) or not 0 <= i < vocab_size for i in ids):
+        raise InvalidArgument(f"token ids in logit_bias / allowed_tokens must be in [0, {vocab_size})")
+    if want.allowed_tokens is not None and not want.allowed_tokens:
+        raise InvalidArgument("allowed_tokens must not be empty")
+
+
+def process_logits(logits: torch.Tensor, wants: list[Want], default_generator: torch.Generator) -> list[PredResult]:
+    """logits [N, V] float32 (one row per request) -> one PredResult per request. Unseeded
+    draws take their randomness from `default_generator`."""
+    if logits.is_cuda:
+        return process_logits_batched(logits, wants, default_generator)
+    return process_logits_reference(logits, wants, default_generator)
+
+
+# ---- the host reference ----
+
+def _sample_row(logits: torch.Tensor, want: Sample, generator: torch.Generator) -> int:
+    if want.logit_bias:
+        ids = torch.tensor(list(want.logit_bias), device=logits.device)
+        logits = logits.index_add(0, ids, torch.tensor(list(want.logit_bias.values()), device=logits.device))
+    if want.allowed_tokens is not None:
+        masked = torch.full_like(logits, float("-inf"))
+        ids = torch.tensor(want.allowed_tokens, device=logits.device)
+        masked[ids] = logits[ids]
+        logits = masked
+    if want.temperature == 0:
+        return int(logits.argmax())
+    # Relative to the largest: at most 0, so no temperature, however small, overflows (the
+    # largest stays 0) and the softmax below is never NaN (kernels/sampling.py does the same).
+    logits = (logits - logits.max()) / max(want.temperature, FLOAT32_TINY)
+    if want.top_k and want.top_k < logits.numel():
+        threshold = torch.topk(logits, want.top_k).values[-1]
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if want.top_p < 1.0:
+        sorted_probs, _ = probs.sort(descending=True)
+        # Drop a token when the tokens before it already reach top_p (the first always stays),
+        # unless it ties with the last one kept.
+        last_kept = sorted_probs[~(sorted_probs.cumsum(0) - sorted_probs >= want.top_p)][-1]
+        probs = probs.masked_fill(probs < last_kept, 0.0)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def top_k_of_row(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) of the k largest of a 1-D tensor, largest first, ties to the lower id
+    (torch.topk orders ties as it likes, and may keep a higher id tied at the k-th)."""
+    k = min(k, values.numel())
+    threshold = torch.topk(values, k).values[-1]
+    candidates = (values >= threshold).nonzero().squeeze(1)  # ascending ids
+    order = values[candidates].sort(descending=True, stable=True).indices[:k]
+    return values[candidates[order]], candidates[order]
+
+
+def process_logits_reference(logits: torch.Tensor, wants: list[Want],
+                             default_generator: torch.Generator) -> list[PredResult]:
+    """Row by row on the host, with torch's own ops; seeded draws use torch.Generator(seed). A
+    row that raises gets a result holding its `error`, and the other rows are answered."""
+    results: list[PredResult] = []
+    log_probs = greedy = None
+    for row, want in enumerate(wants):
+        try:
+            if isinstance(want, Distribution):
+                into = want.into
+                if (into is not None and into.shape == logits.shape[1:] and into.dtype == logits.dtype
+                        and into.device == logits.device):  # where it goes: written there
+                    results.append(PredResult(distribution=torch.softmax(logits[row], dim=-1, out=into)))
+                # A batch of one: the softmax waits to be taken straight into where it goes (a LIP's
+                # buffer: PredResult.write_probs). Of more rows, each is taken here: a row kept for
+                # later would hold the batch's logits (a LIP's unwaited tickets count one row each)
+                # or need a copy of its own, which costs more than it saves (bench/NOTES.md).
+                elif len(logits) == 1:
+                    results.append(PredResult(logits=logits[row]))
+                else:
+                    results.append(PredResult(distribution=torch.softmax(logits[row], dim=-1).cpu()))
+            elif isinstance(want, TopK):
+                if log_probs is None:
+                    log_probs = torch.log_softmax(logits, dim=-1)
+                values, ids = top_k_of_row(log_probs[row], want.k)
+                results.append(PredResult(top_ids=ids.tolist(), top_logprobs=values.tolist()))
+            elif want.temperature == 0 and not want.logit_bias and want.allowed_tokens is None:
+                if greedy is None:  # one argmax over the batch, one transfer
+                    greedy = logits.argmax(dim=-1).tolist()
+                results.append(PredResult(token=greedy[row]))
+            else:
+                generator = default_generator
+                if want.seed is not None:
+                    generator = torch.Generator().manual_seed(want.seed)
+                results.append(PredResult(token=_sample_row(logits[row], want, generator)))
+        except Exception as error:  # one request's failure is its own: the batch's other rows go on
+            # Kept without its frames, which hold the batch's logits until the request is answered.
+            error.add_note("".join(traceback.format_tb(error.__traceback__)).rstrip())
+            results.append(PredResult(error=error.with_traceback(None)))
+    return results
+
+
+# ---- batched, on the device ----
+
+def _upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list or array on `device`; to a GPU through pinned memory, without a sync."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits[rows]: a slice when the rows are consecutive (the usual, homogeneous batch)."""
+    if rows[-1] - rows[0] == len(rows) - 1:
+        return logits[rows[0]:rows[-1] + 1]
+    return logits.index_select(0, _upload(rows, torch.int64, logits.device))
+
+
+def _as_int64(seed: int) -> int:
+    """Any seed torch.Generator.manual_seed takes, folded one-to-one into int64."""
+    return (seed + 2**63) % 2**64 - 2**63
+
+
+def _allowed_bitmask(wants: list[Sample], vocab_size: int) -> np.ndarray:
+    """int32 [rows, ceil(V / 32)]: bit j % 32 of word j // 32 set when token j is allowed."""
+    words = np.full((len(wants), -(-vocab_size // 32)), 0xFFFFFFFF, dtype=np.uint32)
+    for row, want in enumerate(wants):
+        if want.allowed_tokens is not None:
+            ids = np.asarray(want.allowed_tokens, dtype=np.int64)
+            words[row] = 0
+            np.bitwise_or.at(words[row], ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+    return words.view(np.int32)
+
+
+def _sample_rows(logits: torch.Tensor, wants: list[Sample], default_generator: torch.Generator):
+    """Token ids [rows] of the Sample rows, drawn by one call of the sampling kernel."""
+    from ..kernels.sampling import sample  # imports triton: only where a batch needs it
+
+    device = logits.device
+    unseeded = [row for row, want in enumerate(wants) if want.seed is None]
+    seeds = [_as_int64(want.seed) if want.seed is not None else 0 for want in wants]
+    if unseeded:
+        for row, seed in zip(unseeded, torch.randint(0, 2**63 - 1, (len(unseeded),), generator=default_generator).tolist()):
+            seeds[row] = seed
+    kwargs = {}
+    num_bias = max(len(want.logit_bias) for want in wants)
+    if num_bias:
+        bias_ids = np.full((len(wants), num_bias), -1, dtype=np.int64)
+        bias_values = np.zeros((len(wants), num_bias), dtype=np.float32)
+        for row, want in enumerate(wants):
+            bias_ids[row, :len(want.logit_bias)] = list(want.logit_bias)
+            bias_values[row, :len(want.logit_bias)] = list(want.logit_bias.values())
+        kwargs.update(bias_ids=_upload(bias_ids, torch.int64, device),
+                      bias_values=_upload(bias_values, torch.float32, device))
+    if any(want.allowed_tokens is not None for want in wants):
+        kwargs["allowed"] = _upload(_allowed_bitmask(wants, logits.shape[1]), torch.int32, device)
+    temperatures = [max(w.temperature, FLOAT32_TINY) if w.temperature > 0 else 0.0 for w in wants]
+    floats = _upload([temperatures, [w.top_p for w in wants]], torch.float32, device)
+    ints = _upload([[w.top_k for w in wants], seeds], torch.int64, device)
+    return sample(logits, floats[0], ints[0], floats[1], ints[1], **kwargs).token_ids
+
+
+def _top_k_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, log-probs) [rows, k], most likely first, ties to the lower id."""
+    if k > KERNEL_MAX_TOP_K:
+        rows = [top_k_of_row(row, k) for row in torch.log_softmax(logits, dim=-1)]
+        return torch.stack([ids for _, ids in rows]), torch.stack([values for values, _ in rows])
+    from ..kernels.sampling import sample
+
+    rows, device = logits.shape[0], logits.device
+    zeros = torch.zeros(rows, dtype=torch.int64, device=device)
+    out = sample(logits, zeros.float(), zeros, torch.ones(rows, device=device), zeros, num_logprobs=k)
+    return out.topk_ids, out.topk_logprobs
+
+
+def process_logits_batched(logits: torch.Tensor, wants: list[Want],
+                           default_generator: torch.Generator) -> list[PredResult]:
+    """The same answers from batched work on logits' device: one Triton `sample` call for the
+    Sample rows, one top-k pass for the TopK rows, one softmax for the Distribution rows, then
+    a single device-to-host copy of every token and top-k list. Greedy tokens and top-k lists
+    equal the reference's (ties to the lower id); seeded draws come from the kernel's Philox
+    stream instead of torch.Generator. On CPU tensors this needs TRITON_INTERPRET=1 (tests)."""
+    results = [PredResult() for _ in wants]
+    rows_of: dict[type, list[int]] = {Distribution: [], TopK: [], Sample: []}
+    for row, want in enumerate(wants):
+        rows_of[type(want)].append(row)
+
+    if rows_of[Distribution]:
+        probs = torch.softmax(_rows(logits, rows_of[Distribution]), dim=-1)
+        for i, row in enumerate(rows_of[Distribution]):
+            results[row].distribution = probs[i]
+
+    # Everything the host needs goes back in one float64 tensor (ids < 2**53 are exact).
+    parts: list[torch.Tensor] = []
+    if rows_of[Sample]:
+        parts.append(_sample_rows(_rows(logits, rows_of[Sample]), [wants[r] for r in rows_of[Sample]],
+                                  default_generator))
+    max_k = max((wants[r].k for r in rows_of[TopK]), default=0)
+    if max_k:
+        parts.extend(_top_k_rows(_rows(logits, rows_of[TopK]), max_k))
+    if not parts:
+        return results
+    host = torch.cat([part.reshape(-1).double() for part in parts]).cpu().tolist()
+
+    tokens = host[:len(rows_of[Sample])]
+    for row, token in zip(rows_of[Sample], tokens):
+        if token < 0:  # the kernel's failed row: as the reference's, its error is its own
+            results[row].error = RuntimeError("sampling failed: the row's logits are not finite "
+                                              "(NaN, +inf, or every allowed token at -inf)")
+        else:
+            results[row].token = int(token)
+    top = len(tokens)
+    ids_at, logprobs_at = top, top + len(rows_of[TopK]) * max_k
+    for i, row in enumerate(rows_of[TopK]):
+        k = wants[row].k
+        results[row].top_ids = [int(t) for t in host[ids_at + i * max_k:ids_at + i * max_k + k]]
+        results[row].top_logprobs = host[logprobs_at + i * max_k:logprobs_at + i * max_k + k]
+    return results

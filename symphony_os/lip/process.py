@@ -1,0 +1,323 @@
+"""A LIP process: one wasmtime Store and instance, its KV handle table, its I/O, and the fiber
+its guest code runs on. A process is advanced only by the worker thread that owns it."""
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import math
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+import wasmtime
+
+from ..errors import ErrorCode, InputClosed, LimitExceeded, SymphonyError
+from ..wasm.fiber import AsyncLinker, Fiber, HostCall, Pending, set_time_slice
+from ..wasm.guest_memory import GuestMemory, memory_locator
+from ..wasm.program import Program
+from .core_abi import CoreCalls
+from .limits import ProcessLimits, Usage, store_limits, trap_reason
+from .syscalls import SystemCalls, Wait
+from .timers import Timers
+from .tools import ToolRegistry
+
+log = logging.getLogger("symphony.process")
+
+EXIT_TRAPPED = 134  # like a process killed by SIGABRT
+EXIT_KILLED = 137  # like a process killed by SIGKILL
+# Messages delivered and not yet taken by `recv`: past either bound `deliver` refuses more, so a
+# client cannot grow the server's memory faster than the LIP reads.
+INBOX_BYTES = 16 * 2**20
+INBOX_MESSAGES = 4096
+
+
+class ProcessState(str, enum.Enum):
+    RUNNABLE = "runnable"
+    BLOCKED_ON_PRED = "blocked-on-pred"
+    BLOCKED_ON_RECV = "blocked-on-recv"
+    BLOCKED_ON_SLEEP = "blocked-on-sleep"  # WASI poll_oneoff on a clock
+    BLOCKED_ON_TOKENIZE = "blocked-on-tokenize"  # a long text, on the engine's tokenizer thread
+    EXITED = "exited"
+    KILLED = "killed"
+
+
+_STATE_OF = {state.value: state for state in ProcessState}  # faster than ProcessState(value)
+_RUNNABLE = ProcessState.RUNNABLE  # a module global: an enum member's attribute lookup costs more
+_pids = itertools.count(1)
+
+
+class Process:
+    """Create with `Runtime.spawn`. `on_output(bytes)` receives what the LIP sends; `on_log(str)`
+    its stdout/stderr (kept in `log` only when there is no `on_log`: the caller keeps what it
+    needs); `on_exit(process)` runs once when it ends (on its worker's thread)."""
+
+    # Slots: a round touches every process's fields; no per-process dict to fetch (and a
+    # misspelt attribute fails at once).
+    __slots__ = ("pid", "program", "args", "engine", "kv", "tools", "timers", "limits", "state", "exit_code",
+                 "end_reason", "log", "_on_output", "_on_log", "_on_exit", "_inbox", "_inbox_bytes", "_inbox_lock",
+                 "_input_closed", "_kill_reason", "ended", "cpu_time_s", "usage", "syscalls", "abi", "store",
+                 "_time_slice_ticks", "_fiber", "_fresh", "_instantiating", "_memory", "memory", "_blocked", "wake",
+                 "_woken_by_pred", "monotonic_origin", "_cpu_time_limit", "poll_address", "__weakref__")
+    POLLS_TO_RESUME = 1  # polls that run the guest on after its blocking call is answered
+
+    def __init__(self, program: Program, args: list[str], env: dict[str, str], engine, kv_session,
+                 linker: AsyncLinker, limits: ProcessLimits, *, timers: Timers,
+                 on_output: Callable[[bytes], None] | None = None,
+                 on_log: Callable[[str], None] | None = None,
+                 on_exit: Callable[["Process"], None] | None = None, tools: ToolRegistry | None = None):
+        self.pid = next(_pids)
+        self.program = program
+        self.args = list(args)
+        self.engine = engine
+        self.kv = kv_session
+        self.tools = tools if tools is not None else ToolRegistry()  # what the `tool` call may reach
+        self.timers = timers  # what a sleep waits on: the runtime's (one thread for all its processes)
+        self.limits = limits
+        self.state = ProcessState.RUNNABLE
+        self.exit_code: int | None = None
+        self.end_reason: str | None = None
+        self.log: list[str] = []
+        self._on_output = on_output
+        self._on_log = on_log
+        self._on_exit = on_exit
+        self._inbox: deque[bytes] = deque()
+        self._inbox_bytes = 0
+        self._inbox_lock = threading.Lock()  # deliver (any thread) and pop_input (the worker)
+        self._input_closed = False
+        self._kill_reason: str | None = None
+        self.ended = threading.Event()
+        self.cpu_time_s = 0.0  # thread CPU time spent advancing this process (guest code and host calls)
+        self.usage = Usage(limits)
+        # Compared on every advance; Usage.over_time (a call) runs only past it.
+        self._cpu_time_limit = math.inf if limits.cpu_time_s is None else limits.cpu_time_s
+        self.syscalls = SystemCalls(self)  # the calls' semantics, for either ABI
+        self.abi = self._abi()  # the guest's way in: pointers (a core module) or values (a component)
+        self.store = wasmtime.Store(linker.engine)
+        self.store.set_wasi(self._wasi_config(program, self.args, env))
+        # Where the guest's WASI monotonic clock starts (its 0 is the WASI context's creation):
+        # read after it, so an absolute sleep on that clock ends late by microseconds, never early.
+        self.monotonic_origin = time.monotonic()
+        store_limits(self.store, limits)
+        set_time_slice(self.store, limits.time_slice_ticks)
+        self._time_slice_ticks = limits.time_slice_ticks  # a fresh slice when a guest resumes
+        self._fiber: Fiber | None = linker.start_instantiate(self.store, program.module, owner=self)
+        self.poll_address = self._fiber.slot_address  # what the worker prefetches (advance)
+        self._instantiating = True
+        self._fresh = True  # a fiber not polled yet: its time slice starts at its first poll
+        self._memory: wasmtime.Memory | None = None  # the guest's memory, once instantiated
+        self.memory: GuestMemory | None = None  # checked access to it
+        self._blocked: tuple[Wait, Pending, HostCall] | None = None
+        self.wake: Callable[["Process"], None] = lambda process: None  # set by the worker
+        self._woken_by_pred = self._pred_done  # one bound method, not one per pred
+
+    # ---- I/O, callable from any thread ----
+
+    def emit_output(self, data: bytes) -> None:
+        self._charge_output(len(data))
+        if self._on_output is not None:
+            self._on_output(data)
+
+    def capture_log(self, data: bytes) -> None:
+        self._charge_output(len(data))
+        text = data.decode("utf-8", "replace")
+        if self._on_log is not None:
+            self._on_log(text)
+        else:
+            self.log.append(text)
+
+    def deliver(self, message: bytes) -> None:
+        """A message from the user, for the LIP's next `recv`. Raises InputClosed once the
+        input was closed or the process ended, LimitExceeded while its unread messages fill
+        the inbox (INBOX_BYTES, INBOX_MESSAGES)."""
+        if self._input_closed or self.ended.is_set():
+            raise InputClosed(f"process {self.pid} {'has ended' if self.ended.is_set() else 'had its input closed'}: "
+                              "it takes no more messages")
+        with self._inbox_lock:
+            if len(self._inbox) >= INBOX_MESSAGES or self._inbox_bytes + len(message) > INBOX_BYTES:
+                raise LimitExceeded(f"process {self.pid} has {len(self._inbox)} unread messages "
+                                    f"({self._inbox_bytes} bytes; at most {INBOX_MESSAGES} and {INBOX_BYTES} bytes): "
+                                    "wait for its output before sending more")
+            self._inbox.append(bytes(message))
+            self._inbox_bytes += len(message)
+        self._wake_if(ProcessState.BLOCKED_ON_RECV)
+
+    def close_input(self) -> None:
+        """No more messages: a pending or later `recv` returns `closed`."""
+        self._input_closed = True
+        self._wake_if(ProcessState.BLOCKED_ON_RECV)
+
+    def kill(self, reason: str = "killed") -> None:
+        """End the process at its next scheduling point (even inside a blocking call)."""
+        if self._kill_reason is None:
+            self._kill_reason = reason
+        self.wake(self)
+
+    def _charge_output(self, nbytes: int) -> None:
+        """Output and log count against `output_bytes`: past it the process is killed and the
+        bytes refused (the server keeps unread frames, so this also bounds its memory)."""
+        reason = self.usage.charge_output(nbytes)
+        if reason is not None:
+            self.kill(reason)
+            raise LimitExceeded(reason)
+
+    def _wake_if(self, state: ProcessState) -> None:
+        if self.state == state:
+            self.wake(self)
+
+    def input_ready(self) -> bool:
+        return bool(self._inbox) or self._input_closed
+
+    def peek_input(self) -> bytes | None:
+        return self._inbox[0] if self._inbox else None
+
+    def pop_input(self) -> None:
+        with self._inbox_lock:
+            self._inbox_bytes -= len(self._inbox.popleft())
+
+    # ---- used by the host calls while the guest runs ----
+
+    def memory_for(self, call: HostCall) -> GuestMemory:
+        """Checked access to the calling guest's memory: the process's own view once it is
+        instantiated, through the caller before (a start function's host calls)."""
+        if self.memory is None:
+            return GuestMemory(call.memory_location)
+        return self.memory
+
+    def block_on(self, wait: Wait, call: HostCall | None) -> Pending:
+        """Suspend the guest until `wait` is over; the worker completes its call later."""
+        pending = Pending()
+        self._blocked = (wait, pending, call)
+        self.state = _STATE_OF[wait.state]
+        if wait.future is not None:
+            wait.future.add_done_callback(self._woken_by_pred)
+        elif self.input_ready():
+            self.wake(self)
+        return pending
+
+    def finish_block(self, wait: Wait, call: HostCall | None):
+        """The result of a call whose wait is over: its value as the ABI encodes it, or, if
+        that raises, `wait.failed` of the error's code (an unexpected exception is logged,
+        INTERNAL)."""
+        try:
+            value = wait.then(*wait.args)
+            encode = wait.encode
+            if encode is None:
+                return value
+            return encode(self.memory if self.memory is not None else self.memory_for(call), value)
+        except SymphonyError as error:
+            return wait.failed(self.syscalls.error_code(error))
+        except Exception:
+            log.exception("pid %s: finishing a blocking call failed", self.pid)
+            return wait.failed(ErrorCode.INTERNAL)
+
+    def _pred_done(self, _future) -> None:
+        self.wake(self)
+
+    # ---- driven by the owning worker ----
+
+    @property
+    def finished(self) -> bool:
+        return self.exit_code is not None  # set with the state, by _end only
+
+    def advance(self, prefetch: int | None = None) -> str:
+        """Run the guest until it blocks, yields or ends. Returns "waiting" (blocked, or not
+        ready yet), "preempted" (its time slice ended: still runnable), "continue" (it will
+        run on at once: instantiation done) or "ended". The worker adds the CPU time it took
+        to `cpu_time_s`; past its limit the process ends here (past its wall time, the
+        watchdog kills it: limits.Watchdog). `prefetch`: the `poll_address` of the process
+        the worker advances next (`Fiber.poll`)."""
+        try:  # the body inline (no call): it runs for every process in every round
+            if self.exit_code is not None:  # finished
+                return "ended"
+            if self._kill_reason is None and self.cpu_time_s > self._cpu_time_limit:
+                self._kill_reason = self.usage.over_time(self.cpu_time_s)
+            if self._kill_reason is not None:
+                self._end(ProcessState.KILLED, EXIT_KILLED, self._kill_reason)
+                return "ended"
+            resumed, ticks = False, 0
+            if self._blocked is not None:
+                wait, pending, call = self._blocked
+                if not (wait.future.done() if wait.future is not None else self.input_ready()):
+                    return "waiting"
+                self._blocked = None
+                pending.complete((self.finish_block(wait, call),))
+                self.state = _RUNNABLE
+                resumed, ticks = True, self._time_slice_ticks  # its old deadline passed while it waited
+            fiber = self._fiber
+            if self._fresh:  # the slice set at spawn (or by the instantiation) ran out in the rounds since
+                self._fresh = False
+                ticks = self._time_slice_ticks
+            finished = fiber.poll(ticks, prefetch)  # True at once for a fiber that is done
+            if not finished and resumed and self._blocked is None and self.POLLS_TO_RESUME == 2:
+                # A component's first poll after a blocking call only finishes that call (measured);
+                # the second runs the guest on. A core module's first poll runs on at once (a
+                # second would give it two time slices while the next batch waits for it).
+                finished = fiber.poll()
+            if not finished:
+                # Blocked, or out of its time slice (instantiation too: a start function that
+                # computes holds no batch back, or every process's preds waited for it to end).
+                return "waiting" if self._blocked is not None else "preempted"
+            if self._kill_reason is not None:  # asked for while it ran (past its output limit, say)
+                self._end(ProcessState.KILLED, EXIT_KILLED, self._kill_reason)
+            elif fiber.exit_code is not None:
+                self._end(ProcessState.EXITED, fiber.exit_code, f"exit {fiber.exit_code}")
+            elif fiber.trap is not None:
+                memory_bytes = self._memory.data_len(self.store) if self._memory is not None else None
+                reason = trap_reason(fiber, self.limits, memory_bytes, self._instantiating)
+                self._end(ProcessState.KILLED, EXIT_KILLED if reason.startswith("killed:") else EXIT_TRAPPED, reason)
+            elif self._instantiating:
+                self._instantiating = False
+                self._fiber = self._main_fiber(fiber.result[0])
+                self.poll_address = self._fiber.slot_address
+                # What every call touches, fetched while the worker polls the process before
+                # (measured, null rounds at 1024 processes: 0.935 of the time without; 16
+                # and 256 unchanged).
+                self._fiber.prefetch_with((self, self.syscalls, self.abi, self.usage, self.memory, self.kv))
+                self._fresh = True
+                return "continue"
+            else:
+                code = int(fiber.result[0]) if fiber.result else 0  # a component's run() returns it
+                self._end(ProcessState.EXITED, code, f"exit {code}")
+            return "ended"
+        except Exception as error:  # a host bug this guest reached: it ends, the worker goes on
+            log.exception("pid %s: internal error while advancing", self.pid)
+            if not self.finished:
+                self._end(ProcessState.KILLED, EXIT_TRAPPED, f"internal error: {type(error).__name__}: {error}")
+            return "ended"
+
+    def _wasi_config(self, program: Program, args: list[str], env: dict[str, str]) -> wasmtime.WasiConfig:
+        wasi = wasmtime.WasiConfig()
+        wasi.argv = [program.name, *args]
+        wasi.env = list(env.items())
+        # stdout/stderr reach the log through our own fd_write (core_abi.CoreCalls.fd_write).
+        return wasi
+
+    def _abi(self) -> CoreCalls:
+        """The adapter between the guest and `syscalls`: a core module's (ComponentProcess has
+        its own)."""
+        return CoreCalls(self.syscalls)
+
+    def _main_fiber(self, instance: wasmtime.Instance) -> Fiber:
+        """The call that runs the program once instantiated: WASI's `_start`."""
+        exports = instance.exports(self.store)
+        self._memory = exports["memory"]
+        self.memory = GuestMemory(memory_locator(self.store, self._memory))
+        return Fiber(self.store, exports["_start"], owner=self)
+
+    def _end(self, state: ProcessState, code: int, reason: str) -> None:
+        if self._fiber is not None:
+            self._fiber.close()
+        if self._blocked is not None and self._blocked[0].cancel is not None:
+            self._blocked[0].cancel()  # a sleep's timer, say
+        self._blocked = None
+        with self._inbox_lock:
+            self._inbox.clear()
+            self._inbox_bytes = 0
+        self.kv.close_all()
+        self.syscalls.tickets.clear()
+        self.state, self.exit_code, self.end_reason = state, code, reason
+        self.ended.set()
+        if self._on_exit is not None:
+            self._on_exit(self)

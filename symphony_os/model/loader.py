@@ -1,0 +1,291 @@
+"""Loading a Llama-family model from a Hugging Face directory (config.json, *.safetensors,
+tokenizer files), a GGUF file (through transformers' GGUF support) or a Hugging Face hub id (from
+the local cache, else downloaded when the network allows), with transformers' config and
+tokenizer classes and safetensors."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+
+from .decoder import DecoderModel, ModelConfig, rope_inv_freq, rope_parameters
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# RoPE scalings whose frequencies transformers recomputes from the sequence's length (refused).
+LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+DEFAULT_MODEL_NAME = "symphony-stdlib-4M"  # its card's name (default_model/README.md)
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(Exception):
+    """The directory does not hold a model Symphony can load; the message says why."""
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with what a LIP asks about it."""
+
+    name: str
+    path: Path
+    model: DecoderModel
+    config: ModelConfig
+    tokenizer: PreTrainedTokenizerBase
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_device(device: str) -> None:
+    """Raise ModelLoadError unless `device` is the CPU or a CUDA GPU that torch can use here."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise ModelLoadError(f"unknown device {device!r}: cpu, cuda or cuda:N")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"device {device!r}: torch sees no CUDA GPU here (a CPU build of torch, or no driver)")
+        count = torch.cuda.device_count()
+        if parsed.index is not None and parsed.index >= count:
+            raise ModelLoadError(f"device {device!r}: torch sees {count} CUDA GPU(s) here, cuda:0 to cuda:{count - 1}")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    """float32 on CPU, bfloat16 on GPU unless asked otherwise."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None:
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors weights")
+    tensors = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def _arrange_weights(raw: dict[str, torch.Tensor], cfg: ModelConfig, dtype, device) -> dict[str, torch.Tensor]:
+    """Map Hugging Face tensor names onto ours, fusing q/k/v and gate/up."""
+    def take(name: str) -> torch.Tensor:
+        if name not in raw:
+            raise ModelLoadError(f"weight {name!r} is missing from the checkpoint")
+        return raw[name]
+
+    def put(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype).contiguous()
+
+    out = {"embed": put(take("model.embed_tokens.weight")), "norm": put(take("model.norm.weight"))}
+    if "lm_head.weight" in raw and not cfg.tie_word_embeddings:
+        out["lm_head"] = put(raw["lm_head.weight"])
+    else:
+        out["lm_head"] = out["embed"]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        attn = [take(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
+        layer = {
+            "input_norm": take(f"{p}input_layernorm.weight"),
+            "post_norm": take(f"{p}post_attention_layernorm.weight"),
+            "qkv": torch.cat(attn),
+            "o": take(f"{p}self_attn.o_proj.weight"),
+            "gate_up": torch.cat([take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")]),
+            "down": take(f"{p}mlp.down_proj.weight"),
+        }
+        if f"{p}self_attn.q_proj.bias" in raw:  # Qwen2 (and Llama with attention_bias)
+            layer["qkv_bias"] = torch.cat([take(f"{p}self_attn.{n}_proj.bias") for n in "qkv"])
+        if f"{p}self_attn.o_proj.bias" in raw or f"{p}mlp.down_proj.bias" in raw:
+            raise ModelLoadError("output-projection and MLP biases are not supported")
+        if f"{p}self_attn.q_norm.weight" in raw:  # Qwen3
+            layer["q_norm"] = take(f"{p}self_attn.q_norm.weight")
+            layer["k_norm"] = take(f"{p}self_attn.k_norm.weight")
+        out.update({f"layers.{i}.{k}": put(v) for k, v in layer.items()})
+    return out
+
+
+def _eos_ids(generation_config: Path | None, hf_config, tokenizer) -> tuple[int, ...]:
+    ids: list[int] = []
+    sources = []
+    if generation_config is not None and generation_config.is_file():
+        sources.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+    sources += [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
+    for value in sources:
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and token not in ids:
+                ids.append(token)
+    return tuple(ids)
+
+
+def _read_directory(path: Path):
+    """(transformers config, raw tensors, tokenizer) of a Hugging Face directory."""
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} is not a Hugging Face model directory (no config.json)")
+    hf_config = AutoConfig.from_pretrained(str(path))
+    _check_model_type(hf_config)
+    return hf_config, _read_safetensors(path), AutoTokenizer.from_pretrained(str(path))
+
+
+def _read_gguf(path: Path):
+    """(transformers config, raw tensors under Hugging Face names, tokenizer) of a GGUF file,
+    dequantized by transformers' GGUF support."""
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as error:  # a truncated or foreign file fails deep in the parser, any way it likes
+        raise ModelLoadError(f"{path}: not a GGUF model transformers can read ({type(error).__name__}: {error})") from error
+    _check_model_type(hf_config)
+    # llama.cpp writes 0xFFFFFFFF for "no such token"; transformers would take it as an id.
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int) and not 0 <= value < hf_config.vocab_size:
+            setattr(hf_config, name, None)
+    try:
+        return hf_config, _gguf_tensors(path, hf_config), _gguf_tokenizer(path)
+    except Exception as error:
+        raise ModelLoadError(f"{path}: cannot read its tensors or tokenizer ({type(error).__name__}: {error})") from error
+
+
+def _gguf_tensors(path: Path, hf_config) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):  # only the parameter names are needed, to map GGUF's onto them
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+
+
+def _gguf_tokenizer(path: Path):
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except IndexError:
+        pass  # a special-token id of 0xFFFFFFFF ("none"): build it without that token below
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer, read_gguf_metadata
+
+    metadata, _ = read_gguf_metadata(str(path), ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
+    tokenizer_dict = {name: metadata[f"tokenizer.{key}"]
+                      for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items() if f"tokenizer.{key}" in metadata}
+    tokens = tokenizer_dict["tokens"]
+    special = {}
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
+                      ("pad_token", "padding_token_id")):
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        if isinstance(token_id, int) and 0 <= token_id < len(tokens):
+            special[name] = tokens[token_id]
+    backend, _ = convert_gguf_tokenizer(metadata["general.architecture"], tokenizer_dict)
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token", tokenizer_dict.get("tokenizer_type") == "llama")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, add_bos_token=add_bos, **special)
+
+
+def _check_model_type(hf_config) -> None:
+    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"model type {hf_config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    rope_type = rope_parameters(hf_config)["rope_type"]
+    if rope_type in LENGTH_DEPENDENT_ROPE:
+        raise ModelLoadError(f"{rope_type} RoPE scaling is not supported: its frequencies change with the "
+                             "sequence's length, and a KV cache computed at other lengths cannot follow")
+
+
+def _gguf_rope_freqs(path: Path) -> torch.Tensor | None:
+    """A GGUF's `rope_freqs.weight`: the divisors of its RoPE frequencies (llama.cpp writes a Llama
+    3.x model's llama3 scaling so, not as metadata, and transformers' reader drops the tensor)."""
+    import gguf
+
+    for tensor in gguf.GGUFReader(path).tensors:
+        if tensor.name == "rope_freqs.weight":
+            return torch.tensor(tensor.data, dtype=torch.float32).flatten()
+    return None
+
+
+def resolve_model_source(source: str | Path) -> Path:
+    """The local path of `source`: a directory or .gguf file as it is; a hub id ("org/name")
+    from the Hugging Face cache, else downloaded when the network allows."""
+    path = Path(source)
+    if path.exists():
+        return path
+    if not HUB_ID.match(str(source)):
+        raise ModelLoadError(f"{source}: no such directory or .gguf file")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(source), allow_patterns=HUB_FILES, local_files_only=True))
+    except Exception:  # not cached: try the network below
+        pass
+    try:
+        return Path(snapshot_download(str(source), allow_patterns=HUB_FILES, etag_timeout=10))
+    except Exception as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelLoadError(
+            f"{source}: not a local directory or .gguf file, not in the Hugging Face cache, and the download "
+            f"failed ({reason}); download it where the network allows (`hf download {source}`) and pass "
+            f"--model with its directory"
+        ) from error
+
+
+def load_model(source: str | Path, dtype: str | torch.dtype | None = None, device: str | None = None) -> LoadedModel:
+    """Load a model from a Hugging Face directory, a .gguf file or a hub id onto `device`
+    (default: cuda when present)."""
+    device = device or default_device()
+    check_device(device)
+    path = resolve_model_source(source)
+    torch_dtype = resolve_dtype(dtype, device)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{path}: a model file must be .gguf (or pass a Hugging Face directory)")
+        hf_config, raw, tokenizer = _read_gguf(path)
+        rope_freqs = _gguf_rope_freqs(path)
+        generation_config, name = None, path.stem
+    else:
+        hf_config, raw, tokenizer = _read_directory(path)
+        rope_freqs = None
+        generation_config = path / "generation_config.json"
+        name = DEFAULT_MODEL_NAME if path.resolve() == DEFAULT_MODEL_DIR else path.resolve().name
+    cfg = ModelConfig.from_hf(hf_config)
+    weights = _arrange_weights(raw, cfg, torch_dtype, device)
+    inv_freq, rope_scale = rope_inv_freq(hf_config)
+    if rope_freqs is not None:
+        if rope_freqs.shape != inv_freq.shape:
+            raise ModelLoadError(f"{path}: rope_freqs has {rope_freqs.numel()} values, not one per frequency "
+                                 f"({inv_freq.numel()})")
+        inv_freq = inv_freq / rope_freqs
+    return LoadedModel(
+        name=name,
+        path=path,
+        model=DecoderModel(cfg, weights, inv_freq, rope_scale),
+        config=cfg,
+        tokenizer=tokenizer,
+        eos_token_ids=_eos_ids(generation_config, hf_config, tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+    )
+
+
+def default_model_path() -> Path | str:
+    """$SYMPHONY_MODEL, else the model that ships with Symphony (symphony_os/default_model)."""
+    env = os.environ.get("SYMPHONY_MODEL")
+    if env:
+        return env
+    if (DEFAULT_MODEL_DIR / "config.json").is_file():
+        return DEFAULT_MODEL_DIR
+    raise ModelLoadError(f"the bundled default model is missing from {DEFAULT_MODEL_DIR}: pass --model "
+                         "(a Hugging Face directory, a .gguf file or a hub id) or set SYMPHONY_MODEL")

@@ -1,0 +1,406 @@
+"""OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions.
+
+Each request runs the built-in `complete` LIP (completion.py) through the same schedulers as
+every other process, with automatic prefix reuse. Chat prompts are rendered with the model's
+chat template (a plain `role: content` template when the model has none). Streaming answers
+are server-sent events ending in `data: [DONE]`. Errors have OpenAI's shape:
+`{"error": {"message", "type", "param", "code"}}`.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import struct
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .completion import (MAX_BRANCHES, MAX_STOPS, MAX_TOP_LOGPROBS, BranchText, CompletionFailed, CompletionRequest,
+                         FinishEvent, PromptInfo, TokenEvent, run_completion)
+from .state import ServerState, tenant_of
+from .tenants import QuotaExceeded, Tenant
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+log = logging.getLogger("symphony.openai")
+
+MAX_COMPLETION_TOKENS = 4096
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request looks whether its client is still there
+FALLBACK_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+class SamplingBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool | None = False
+    stream_options: dict | None = None
+
+
+class CompletionBody(SamplingBody):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict] | None = None
+
+
+class ChatBody(SamplingBody):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
+    body = await request.body()  # its size bounded already (guard.py)
+    try:
+        data = json.loads(body)
+        _check_encodable(data)
+        return model.model_validate(data)
+    except ValueError as error:  # JSON decoding and pydantic's ValidationError
+        if isinstance(error, ValidationError):
+            first = error.errors()[0]
+            param = ".".join(str(p) for p in first["loc"])
+            raise OpenAIError(400, f"{param}: {first['msg']}", param=param) from None
+        raise OpenAIError(400, "the body is not valid JSON") from None
+    except RecursionError:
+        raise OpenAIError(400, "the body is not valid JSON: nested too deep") from None
+
+
+def _check_encodable(data: Any) -> None:
+    """Refuse a string that is not text: JSON may escape a lone UTF-16 surrogate ("\\ud800"),
+    which neither the tokenizer nor UTF-8 takes."""
+    pending = [data]
+    while pending:
+        item = pending.pop()
+        if type(item) is int:  # most of a long token-id prompt
+            continue
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                raise OpenAIError(400, "a string in the body holds a lone UTF-16 surrogate, which is not text") from None
+        elif isinstance(item, dict):
+            pending += item.keys()
+            pending += item.values()
+        elif isinstance(item, list):
+            pending += item
+
+
+def _sampling(state: ServerState, body: SamplingBody, prompt_ids: list[int], max_tokens: int | None,
+              logprobs: int | None, chat: bool) -> CompletionRequest:
+    """The request for the `complete` LIP. Without max_tokens a completion gets 16 tokens (as
+    OpenAI's legacy endpoint), a chat answer what the context leaves (as OpenAI and vLLM)."""
+    if body.model != state.engine.loaded.name:
+        raise OpenAIError(404, f"the model {body.model!r} does not exist; this server serves "
+                               f"{state.engine.loaded.name!r}", param="model", code="model_not_found")
+    vocab = state.engine.loaded.config.vocab_size
+    if not prompt_ids:
+        raise OpenAIError(400, "the prompt is empty", param="prompt")
+    if any(not 0 <= t < vocab for t in prompt_ids):
+        raise OpenAIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+    limit = state.engine.loaded.config.max_position_embeddings
+    if max_tokens is None:
+        max_tokens = max(0, min(limit - len(prompt_ids), MAX_COMPLETION_TOKENS)) if chat else 16
+    if not 0 <= max_tokens <= MAX_COMPLETION_TOKENS:
+        raise OpenAIError(400, f"max_tokens must be in [0, {MAX_COMPLETION_TOKENS}]", param="max_tokens")
+    if len(prompt_ids) + max_tokens > limit:
+        raise OpenAIError(400, f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceed the "
+                               f"model's context of {limit} tokens", param="max_tokens")
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    n = 1 if body.n is None else body.n
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    checks = [(0 <= temperature <= 2, "temperature must be in [0, 2]", "temperature"),
+              (0 < top_p <= 1 and _as_float32(top_p) > 0, "top_p must be in (0, 1] (and not round to 0 as a float32)",
+               "top_p"),
+              (1 <= n <= MAX_BRANCHES, f"n must be in [1, {MAX_BRANCHES}]", "n"),
+              (len(stop) <= MAX_STOPS and all(stop), f"stop takes up to {MAX_STOPS} non-empty strings", "stop"),
+              (logprobs is None or 0 <= logprobs <= MAX_TOP_LOGPROBS,
+               f"the number of log-probabilities must be in [0, {MAX_TOP_LOGPROBS}]", "logprobs")]
+    for ok, message, param in checks:
+        if not ok:
+            raise OpenAIError(400, message, param=param)
+    return CompletionRequest(prompt_ids, max_tokens, n, logprobs, temperature, top_p, body.seed, tuple(stop))
+
+
+def _as_float32(value: float) -> float:
+    """`value` as the built-in LIP receives it."""
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
+def _chat_prompt(state: ServerState, body: ChatBody) -> list[int]:
+    if not body.messages:
+        raise OpenAIError(400, "messages must not be empty", param="messages")
+    messages = []
+    for message in body.messages:
+        content = message.content
+        if isinstance(content, list):
+            if any(part.get("type") != "text" for part in content):
+                raise OpenAIError(400, "only text content parts are supported", param="messages")
+            content = "".join(str(part.get("text", "")) for part in content)
+        messages.append({"role": message.role, "content": content or ""})
+    tokenizer = state.engine.loaded.tokenizer
+    template = tokenizer.chat_template or FALLBACK_CHAT_TEMPLATE
+    try:
+        text = tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                             tokenize=False)
+    except Exception as error:  # the template's own complaints (roles out of order, ...)
+        raise OpenAIError(400, f"the chat template refused the messages: {error}", param="messages") from None
+    return state.engine.tokenize(text, add_special_tokens=False)
+
+
+def _usage(info: PromptInfo | None, completion_tokens: int) -> dict:
+    prompt = info.prompt_tokens if info else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": info.cached_tokens if info else 0}}
+
+
+class Choices:
+    """Per-branch text, token log-probabilities and finish reasons of one request."""
+
+    def __init__(self, state: ServerState, request: CompletionRequest, chat: bool):
+        self.state, self.request, self.chat = state, request, chat
+        self.texts = [BranchText(state.engine.detokenize, request.stop, request.prompt_ids[-1:])
+                      for _ in range(request.n)]
+        self.logprobs: list[list[TokenEvent]] = [[] for _ in range(request.n)]
+        self.finish_reasons: list[str | None] = [None] * request.n
+        self.info: PromptInfo | None = None
+        self.completion_tokens = 0
+
+    async def events(self, tenant: Tenant) -> AsyncIterator[tuple[int, str, list[TokenEvent], str | None]]:
+        """(branch, new text, new token log-probs, finish reason) as the process goes. The first,
+        (0, "", [], None), comes once the process has read the prompt and looked up its cached
+        prefix, before the prompt's forward pass: a stream's response can start then."""
+        counters = self.state.completions
+        counters.requests += 1
+        state = self.state
+        async for item in run_completion(state.table, state.completion_program, state.completion_entry, tenant,
+                                         self.request):
+            if isinstance(item, PromptInfo):
+                self.info = item
+                counters.prompt_tokens += item.prompt_tokens
+                counters.cached_tokens += item.cached_tokens
+                yield 0, "", [], None
+            elif isinstance(item, TokenEvent):
+                self.completion_tokens += 1
+                counters.completion_tokens += 1
+                new = [item] if self.request.logprobs is not None else []
+                self.logprobs[item.branch] += new
+                yield item.branch, self.texts[item.branch].add(item.token), new, None
+            elif isinstance(item, FinishEvent):
+                self.finish_reasons[item.branch] = item.reason
+                yield item.branch, self.texts[item.branch].finish(item.text_end), [], item.reason
+
+    def _alternative_texts(self, branch: int, index: int, tokens: list[int]) -> list[str]:
+        """The text each of `tokens` would add at `index` of the branch: decoded after the token
+        before it (the prompt's last before the first), as the branch's text is."""
+        detokenize, ids = self.state.engine.detokenize, self.texts[branch].ids
+        at = len(self.texts[branch].context) + index
+        if at == 0:
+            return [detokenize([token]) for token in tokens]
+        before = detokenize([ids[at - 1]])
+        return [detokenize([ids[at - 1], token])[len(before):] for token in tokens]
+
+    def logprobs_json(self, branch: int, start: int = 0) -> dict | None:
+        """The log-probabilities of the branch's tokens from `start` on (a stream sends each
+        token's once). A token's text is what it added to the branch's text: joined, they are
+        the text, and text_offset indexes it."""
+        if self.request.logprobs is None:
+            return None
+        events, pieces = self.logprobs[branch][start:], self.texts[branch].pieces[start:]
+        tops = []  # per token: {(id, text): log-prob}
+        for j, event in enumerate(events):
+            texts = self._alternative_texts(branch, start + j, [i for i, _ in event.top])
+            tops.append({(i, text): lp for (i, lp), text in zip(event.top, texts)})
+        if self.chat:
+            def entry(text: str, logprob: float) -> dict:
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"content": [{**entry(text, event.logprob), "top_logprobs": [entry(t, lp) for (_, t), lp in top.items()]}
+                                for text, event, top in zip(pieces, events, tops)]}
+        offsets, at = [], sum(len(piece) for piece in self.texts[branch].pieces[:start])
+        for piece in pieces:
+            offsets.append(at)
+            at += len(piece)
+        return {"tokens": pieces, "token_logprobs": [event.logprob for event in events],
+                "top_logprobs": [{text: lp for (_, text), lp in top.items()} for top in tops], "text_offset": offsets}
+
+
+def _completion_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+async def _respond(request: Request, body: SamplingBody, completion: CompletionRequest, chat: bool):
+    state: ServerState = request.app.state.symphony
+    tenant = tenant_of(request)
+    choices = Choices(state, completion, chat)
+    created, cid, model = int(time.time()), _completion_id(chat), body.model
+    kind = "chat.completion" if chat else "text_completion"
+    if not body.stream:
+        await _unless_gone(request, choices.events(tenant))
+        def choice(i: int) -> dict:
+            text, reason = choices.texts[i].text, choices.finish_reasons[i] or "length"
+            if chat:
+                return {"index": i, "message": {"role": "assistant", "content": text},
+                        "logprobs": choices.logprobs_json(i), "finish_reason": reason}
+            return {"index": i, "text": text, "logprobs": choices.logprobs_json(i), "finish_reason": reason}
+        return {"id": cid, "object": kind, "created": created, "model": model,
+                "choices": [choice(i) for i in range(completion.n)],
+                "usage": _usage(choices.info, choices.completion_tokens)}
+
+    include_usage = bool((body.stream_options or {}).get("include_usage"))
+    chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(payload_choices: list[dict], usage: dict | None = None) -> str:
+        data: dict[str, Any] = {"id": cid, "object": chunk_kind, "created": created, "model": model,
+                                "choices": payload_choices}
+        if include_usage:
+            data["usage"] = usage
+        return f"data: {json.dumps(data)}\n\n"
+
+    # The process starts before the response does, so a quota refusal is still a 403 (a check
+    # here and a start in the stream let concurrent requests pass the check together). The
+    # headers go once it has started, not after the prompt's forward pass (events' first item).
+    events = choices.events(tenant)
+    first = await anext(events, None)
+
+    async def started() -> AsyncIterator[tuple[int, str, list[TokenEvent], str | None]]:
+        if first is not None:
+            yield first
+        async for item in events:
+            yield item
+
+    async def sse() -> AsyncIterator[str]:
+        try:
+            if chat:
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for i in range(completion.n)])
+            async for branch, text, tokens, reason in started():
+                if not text and not tokens and reason is None:
+                    continue
+                logprobs = choices.logprobs_json(branch, len(choices.logprobs[branch]) - len(tokens)) if tokens else None
+                if chat:
+                    yield chunk([{"index": branch, "delta": {"content": text} if text else {},
+                                  "logprobs": logprobs, "finish_reason": reason}])
+                else:
+                    yield chunk([{"index": branch, "text": text, "logprobs": logprobs, "finish_reason": reason}])
+            if include_usage:
+                yield chunk([], _usage(choices.info, choices.completion_tokens))
+        except (CompletionFailed, QuotaExceeded) as error:
+            kind = "quota_exceeded" if isinstance(error, QuotaExceeded) else "server_error"
+            yield f"data: {json.dumps({'error': {'message': str(error), 'type': kind}})}\n\n"
+        finally:
+            await events.aclose()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(sse(), media_type="text/event-stream")
+
+
+async def _unless_gone(request: Request, events: AsyncIterator) -> None:
+    """Run `events` to the end, or stop it (which kills its process) once the client has gone."""
+    async def consume():
+        async for _ in events:
+            pass
+
+    task = asyncio.ensure_future(consume())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise OpenAIError(499, "the client closed the request")  # nobody reads it: logged as such
+        await task
+    finally:  # this handler cancelled (a timeout, the server stopping): the process goes too
+        task.cancel()
+
+
+async def _guarded(handler) -> Any:
+    try:
+        return await handler()
+    except OpenAIError as error:
+        return error.response()
+    except HTTPException as error:  # the server's own checks (the bearer token)
+        kind, code = ("authentication_error", "invalid_api_key") if error.status_code == 401 else \
+            ("invalid_request_error", None)
+        return OpenAIError(error.status_code, str(error.detail), kind=kind, code=code).response()
+    except QuotaExceeded as error:
+        return OpenAIError(403, str(error), kind="quota_exceeded").response()
+    except CompletionFailed as error:
+        return OpenAIError(500, str(error), kind="server_error").response()
+    except Exception:  # a bug of ours: logged, and answered in OpenAI's shape
+        log.exception("an OpenAI-compatible request failed")
+        return OpenAIError(500, "internal error (logged by the server)", kind="server_error").response()
+
+
+@router.get("/models")
+async def models(request: Request):
+    async def handle():
+        state: ServerState = request.app.state.symphony
+        tenant_of(request)
+        name = state.engine.loaded.name
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(state.started_at),
+                                            "owned_by": "symphony"}]}
+    return await _guarded(handle)
+
+
+@router.post("/completions")
+async def completions(request: Request):
+    async def handle():
+        state: ServerState = request.app.state.symphony
+        tenant_of(request)
+        body: CompletionBody = await _parse(request, CompletionBody)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise OpenAIError(400, "one prompt per request", param="prompt")
+            prompt = prompt[0]
+        if body.echo:
+            raise OpenAIError(400, "echo is not supported", param="echo")
+        # Tokenizing a long prompt takes a while: off the event loop.
+        ids = await asyncio.to_thread(state.engine.tokenize, prompt) if isinstance(prompt, str) else list(prompt)
+        return await _respond(request, body, _sampling(state, body, ids, body.max_tokens, body.logprobs, chat=False),
+                              chat=False)
+    return await _guarded(handle)
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request):
+    async def handle():
+        state: ServerState = request.app.state.symphony
+        tenant_of(request)
+        body: ChatBody = await _parse(request, ChatBody)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        prompt_ids = await asyncio.to_thread(_chat_prompt, state, body)  # templating and tokenizing: off the loop
+        return await _respond(request, body, _sampling(state, body, prompt_ids, max_tokens, top, chat=True),
+                              chat=True)
+    return await _guarded(handle)
