@@ -1,0 +1,75 @@
+"""The system-call behaviour table (tests/test_system_calls.py), through the component ABI: the
+same calls, in the same order, as tests/c_guests/behaviour.c makes through the core-module ABI.
+Sends one line `label=value` per step: a call's result, or its (negative) error code."""
+import symphony
+from symphony import Kv, TopK
+
+
+def report(label: str, value) -> None:
+    symphony.send(f"{label}={value}\n")
+
+
+def outcome(call):
+    try:
+        return call()
+    except symphony.SymphonyError as error:
+        return error.code
+
+
+def main(args: list[str]) -> int:
+    report("vocab-size", symphony.vocab_size())
+    report("bos-id", symphony.bos_id())
+    report("model-name", symphony.model_name())
+    ids = symphony.tokenize("Once upon a time")
+    report("tokenize", len(ids))
+    report("detokenize", symphony.detokenize(ids))
+    report("detokenize-bad-id", outcome(lambda: symphony.detokenize([-1])))
+
+    kv = Kv.create()
+    report("kv-len-new", len(kv))
+    token = kv.next_token(ids)
+    report("pred-greedy", token)
+    report("kv-len", len(kv))
+    fork = kv.fork()
+    report("kv-fork-len", len(fork))
+    part = kv.extract(0, 3)
+    report("kv-extract-len", len(part))
+    report("kv-extract-outside", outcome(lambda: kv.extract(2, 1000)))
+    merged = part.merge(part)
+    report("kv-merge-len", len(merged))
+    report("kv-truncate", outcome(lambda: fork.truncate(2)) or 0)
+    report("kv-truncated-len", len(fork))
+    handle = fork.handle
+    report("kv-close", outcome(fork.close) or 0)
+    report("kv-len-closed", outcome(lambda: len(Kv(handle))))
+    report("kv-close-again", outcome(Kv(handle).close) or 0)
+    report("kv-open-create", int(outcome(lambda: Kv.open("table/doc", create=True).handle) > 0))
+    report("kv-open-exclusive", outcome(lambda: Kv.open("table/doc", create=True, exclusive=True)))
+    report("kv-remove", outcome(lambda: Kv.remove("table/doc")) or 0)
+    report("kv-open-missing", outcome(lambda: Kv.open("table/doc")))
+    report("kv-open-dot-dot", outcome(lambda: Kv.open("../x", create=True)))
+    report("kv-remove-foreign", outcome(lambda: Kv.remove("@bob/secret")))
+    report("kv-hint-bad-flags", outcome(lambda: symphony._check(symphony._kv.kv_hint, kv.handle, 4, -1, 0)))
+    report("kv-hint", outcome(lambda: kv.hint(pinned=True, keep_for_ms=1000, priority=1)) or 0)
+    report("kv-truncate-past-end", outcome(lambda: kv.truncate(1000)))
+
+    ticket = kv.submit([token], TopK(3))
+    top = ticket.wait()
+    report("pred-wait-top-k", len(top))
+    report("top-k-first", top[0][0])
+    report("pred-wait-again", outcome(ticket.wait))
+    report("pred-wait-unknown", outcome(symphony.Ticket(999).wait))
+    report("pred-bad-token", outcome(lambda: kv.next_token([1 << 20])))
+    report("pred-position-gap", outcome(lambda: symphony._check(symphony.inference.pred, kv.handle, [token], [5000],
+                                                               symphony.Greedy().want()).value))
+    report("pred-after-errors", int(kv.next_token([token]) >= 0))
+
+    report("tool", symphony.tool("calculator", "6*7"))
+    report("tool-unknown", outcome(lambda: symphony.tool("format-disk", "now")))
+    report("recv", symphony.recv())
+    message = symphony.recv()
+    report("recv-closed", -15 if message is None else message)  # the SDK's None is the ABI's `closed`
+    return 0
+
+
+WitWorld = symphony.program(main)
