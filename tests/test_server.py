@@ -21,7 +21,7 @@ from symphony_os.cli import main
 from symphony_os.client.client import AsyncClient, Client, ServerError
 from symphony_os.errors import InputClosed
 from symphony_os.lip.process import INBOX_BYTES, INBOX_MESSAGES
-from symphony_os.server.app import _stream_process
+from symphony_os.server.routes.processes import _stream_process
 from symphony_os.server.process_table import BUFFER_BYTES, LOG_TAIL_CHARS
 
 # Fills a KV file with 40 tokens (3 pages), says "ready", then waits for a message.

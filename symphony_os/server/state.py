@@ -1,4 +1,4 @@
-"""What the server's handlers share (server.py and openai_api.py): its configuration, its state,
+"""What the server's routes share (routes/): its configuration, its state,
 and the request dependencies that find them and the calling tenant."""
 from __future__ import annotations
 

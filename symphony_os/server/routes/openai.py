@@ -21,10 +21,10 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .completion import (MAX_BRANCHES, MAX_STOPS, MAX_TOP_LOGPROBS, BranchText, CompletionFailed, CompletionRequest,
+from ..completion import (MAX_BRANCHES, MAX_STOPS, MAX_TOP_LOGPROBS, BranchText, CompletionFailed, CompletionRequest,
                          FinishEvent, PromptInfo, TokenEvent, run_completion)
-from .state import ServerState, tenant_of
-from .tenants import QuotaExceeded, Tenant
+from ..state import ServerState, tenant_of
+from ..tenants import QuotaExceeded, Tenant
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 log = logging.getLogger("symphony.openai")
