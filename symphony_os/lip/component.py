@@ -35,7 +35,7 @@ from wasmtime import _ffi as ffi
 from ..engine.sampling import Distribution, GreedyEach, Sample, TopK, Want
 from ..errors import BadHandle, ErrorCode, InputClosed, InvalidArgument, SymphonyError
 from ..wasm.component import PACKAGE, PACKAGE_VERSION, RUN_EXPORT
-from ..wasm.fiber import Fiber, _polling
+from ..wasm.fiber import Fiber, polling_fiber
 from .process import Process
 from .syscalls import MAX_TEXT_BYTES, MAX_TOKENS_PER_PRED, SystemCalls, Wait
 
@@ -227,7 +227,7 @@ def _error_pointer(function: _HostFunction | None, error: BaseException):
 def _invoke(function: _HostFunction, store, args):
     """Run the handler for the process being polled, through the same entry as a core
     module's calls (SystemCalls.dispatch: rate limit, errors); an error becomes Failed."""
-    process = _polling.fiber.owner
+    process = polling_fiber().owner
     calls = process.abi
     max_list = max(MAX_TOKENS_PER_PRED, calls.vocab_size())  # ids, or one entry per vocabulary token
     return process.syscalls.dispatch(
@@ -268,7 +268,7 @@ def _call_async(key, context, ty_raw, args, nargs, results, nresults, error_ret,
         function.check_arity(nargs, nresults)
         outcome = _invoke(function, store, args)
         if isinstance(outcome, Wait):
-            pending = _polling.fiber.owner.block_on(outcome, None)
+            pending = polling_fiber().owner.block_on(outcome, None)
             waiting_key = next(_next_key)
             _WAITING[waiting_key] = _Waiting(pending, function, context, results, error_ret)
             slot.env = waiting_key
@@ -329,7 +329,7 @@ def _drop_distribution(store, rep: int) -> None:
     """The guest dropped a `distribution`: free it in the process that owns it (the one being
     polled: only its guest code drops its resources). Never raises: wasmtime-py parks
     exceptions in a global."""
-    fiber = _polling.fiber
+    fiber = polling_fiber()
     if fiber is not None and isinstance(fiber.owner, ComponentProcess):
         fiber.owner.abi.distributions.pop(rep, None)
 
@@ -605,8 +605,8 @@ class ComponentLinker:
             return ffi.wasmtime_component_linker_instantiate_async(self.linker.ptr(), store._context(),
                                                                    component.ptr(), ctypes.byref(instance), error_slot)
 
-        return _new_fiber(store, owner, start, lambda: [wc.Instance._from_raw(instance)],
-                          keep=(self.linker, component, instance))
+        return Fiber.of_call(store, start, lambda: [wc.Instance._from_raw(instance)],
+                             keep=(self.linker, component, instance), owner=owner)
 
 
 def _add_func(define, instance: wc.LinkerInstance, name: str, trampoline, key: int, finalizer) -> None:
@@ -618,12 +618,6 @@ def _add_func(define, instance: wc.LinkerInstance, name: str, trampoline, key: i
         raise wasmtime.WasmtimeError._from_ptr(error)
 
 
-def _new_fiber(store, owner, start, collect, keep) -> Fiber:
-    fiber = Fiber.__new__(Fiber)
-    fiber._start(store, owner, start, collect, keep)
-    return fiber
-
-
 def call_run(store: wasmtime.Store, instance: wc.Instance, owner: object = None) -> Fiber:
     """The guest's `run() -> s32` as a fiber; `result` is [exit code]."""
     func = instance.get_func(store, RUN_EXPORT)
@@ -633,7 +627,7 @@ def call_run(store: wasmtime.Store, instance: wc.Instance, owner: object = None)
         return ffi.wasmtime_component_func_call_async(ctypes.byref(func._func), store._context(), None, 0,
                                                       ctypes.byref(result), 1, error_slot)
 
-    return _new_fiber(store, owner, start, lambda: [int(result.of.s32)], keep=(func, result))
+    return Fiber.of_call(store, start, lambda: [int(result.of.s32)], keep=(func, result), owner=owner)
 
 
 class ComponentProcess(Process):

@@ -25,6 +25,10 @@ ctypes layer (`wasmtime._ffi`). The C API's rules, and what breaking them did:
   thread's own stack and, once the answer is written, raises the byte the call's continuation
   reads (also C). A handler running inside the guest's call, through a ctypes callback on the
   guest's fiber stack, cost three times as much at 1024 guests (see fiber_native.c).
+- The slot (`_Slot`, fiber_native.c's sym_fiber_slot, checked field by field at import) is
+  all the memory the two halves share: a call's arguments are copied into it, its answer is
+  written into it, and C copies that to wasmtime's own arrays; Python reads and writes no
+  memory that wasmtime hands out by address.
 """
 from __future__ import annotations
 
@@ -86,11 +90,8 @@ _memory_data_size = raw_prototype("wasmtime_memory_data_size", _size, _vp, ctype
 
 _MEMORY_EXPORT = b"memory"
 
-# The C half (fiber_native.c): the callback of every blocking host function, and the poll.
+# The C half (fiber_native.c): the callbacks of our host functions, and the poll.
 _native = load_library(Path(__file__).with_name("fiber_native.c"))
-_native.sym_fiber_init.restype, _native.sym_fiber_init.argtypes = None, [_vp, _vp, _vp]
-_native.sym_fiber_init(ctypes.cast(_future_poll, _vp), ctypes.cast(_set_epoch_deadline, _vp),
-                       ctypes.cast(ffi.dll["wasmtime_trap_new"], _vp))
 _fiber_poll = _native.sym_fiber_poll
 _fiber_poll.restype, _fiber_poll.argtypes = ctypes.c_int, [_vp, ctypes.c_uint64, _vp]
 _ticker_run = _native.sym_ticker_run  # EpochTicker's loop
@@ -101,17 +102,45 @@ _INCREMENT_EPOCH = ctypes.cast(ffi.dll["wasmtime_engine_increment_epoch"], _vp).
 _NANOSLEEP = ctypes.cast(ctypes.CDLL(None).nanosleep, _vp).value  # the C library's
 _POLL_FINISHED, _POLL_CALLED = 1, 2  # sym_fiber_poll's answers (0: waiting or yielded)
 _BLOCKING_CALL = ctypes.cast(_native.sym_fiber_blocking_call, _vp).value
-_SLOT_BYTES = _native.sym_fiber_slot_size()
-# sym_fiber_slot, as 64-bit words: future, context, called, function, caller, results, trap_ret,
-# nargs, answered (its byte 0), then the arguments (wasmtime_val_t) from this byte offset.
-_FUTURE, _CONTEXT, _CALLED, _FUNCTION, _CALLER, _RESULTS, _TRAP_RET, _NARGS, _ANSWERED = range(9)
-_ARGS_OFFSET = 72
-if _native.sym_fiber_args_offset() != _ARGS_OFFSET or _SLOT_BYTES < _ARGS_OFFSET:
-    raise ImportError("fiber_native.c's sym_fiber_slot does not match fiber.py's layout of it")
-# Then, after the arguments: the host objects prefetched with the slot (Fiber.prefetch_with),
-# their addresses in words [_HOST_OBJECTS, +MAX) and their sizes in the MAX words after.
-_HOST_OBJECTS = _native.sym_fiber_host_objects_offset() // 8
-MAX_PREFETCHED_OBJECTS = _native.sym_fiber_host_objects_max()
+_SYNC_CALL = ctypes.cast(_native.sym_fiber_sync_call, _vp).value
+
+MAX_BLOCKING_ARGS, MAX_RESULTS, MAX_PREFETCHED_OBJECTS = 16, 4, 8
+_VALUE_BYTES = 32  # a wasmtime_val_t: the kind byte, then the value at offset 8
+
+
+class _Slot(ctypes.Structure):
+    """fiber_native.c's sym_fiber_slot: what the two halves share, one per fiber (that file says
+    what each field is). Checked field by field against the C side at import."""
+
+    _fields_ = [("future", _vp), ("context", _vp), ("called", ctypes.c_uint64), ("function", ctypes.c_uint64),
+                ("caller", _vp), ("results", _vp), ("trap_ret", _vp), ("nargs", ctypes.c_uint64),
+                ("answered", ctypes.c_uint8 * 8), ("nresults", ctypes.c_uint64), ("trap", _vp),
+                ("args", ctypes.c_uint8 * (_VALUE_BYTES * MAX_BLOCKING_ARGS)),
+                ("answer", ctypes.c_uint8 * (_VALUE_BYTES * MAX_RESULTS)), ("stack", _vp),
+                ("host_objects", _vp * MAX_PREFETCHED_OBJECTS),
+                ("host_object_bytes", ctypes.c_uint64 * MAX_PREFETCHED_OBJECTS)]
+
+
+def _check_slot_layout() -> None:
+    names = [name for name, _ in _Slot._fields_]
+    declared = [ctypes.sizeof(_Slot), *(getattr(_Slot, name).offset for name in names),
+                MAX_BLOCKING_ARGS, MAX_RESULTS, MAX_PREFETCHED_OBJECTS, _VALUE_BYTES]
+    native = (ctypes.c_uint32 * len(declared))()
+    count = _native.sym_fiber_slot_layout(native, len(declared))
+    if count != len(declared) or list(native) != declared:
+        raise ImportError(f"fiber.py's _Slot ({declared}) does not match fiber_native.c's sym_fiber_slot "
+                          f"({list(native)[:count]}): size, field offsets, then the sizes of its arrays")
+
+
+_native.sym_fiber_slot_layout.restype = ctypes.c_uint
+_native.sym_fiber_slot_layout.argtypes = [ctypes.POINTER(ctypes.c_uint32), ctypes.c_uint]
+_check_slot_layout()
+# The slot as 64-bit words, for the fields a round touches (a memoryview index is ~30 ns; a
+# Structure attribute several times that): each word's index, from _Slot's offsets.
+_FUTURE, _CONTEXT, _FUNCTION, _CALLER, _ANSWERED, _TRAP = (
+    getattr(_Slot, name).offset // 8 for name in ("future", "context", "function", "caller", "answered", "trap"))
+_HOST_OBJECTS, _HOST_OBJECT_BYTES = _Slot.host_objects.offset // 8, _Slot.host_object_bytes.offset // 8
+_ARGS_OFFSET, _ANSWER_OFFSET = _Slot.args.offset, _Slot.answer.offset
 # Where an object's memory starts, before its id(): CPython's GC header (16 bytes) and, for an
 # instance with a __dict__, the two words before that. And the most prefetched of one object
 # (its first lines: a large object's size would be fetched on every poll).
@@ -287,21 +316,13 @@ class HostCall:
         return memory_location(self._context, self._memory)
 
 
-# Native memory that wasmtime hands us by address (value arrays, continuation and trap slots)
-# is read and written with one struct call each, at that address in this view of the whole
-# address space: no ctypes object per access (a ctypes array made with from_address for each
-# cost 0.11 us more per access; ctypes' own field access ~1 us per value; string_at and memmove,
-# foreign calls, 0.4-0.6 us each). Like from_address, it trusts the address it is given.
-_NATIVE = memoryview((ctypes.c_char * sys.maxsize).from_address(0)).cast("B")
-_ADDRESS = struct.Struct("<Q")
-
-# A wasmtime_val_t is 32 bytes: the kind byte, then the value at offset 8.
-_VALUE_CODE = {0: "i20x", 1: "q16x", 2: "f20x", 3: "d16x"}  # kind -> struct code and padding
-MAX_BLOCKING_ARGS = _native.sym_fiber_max_args()  # the slot's room: SYM_FIBER_MAX_ARGS
+# A wasmtime_val_t: the kind byte, then the value at offset 8 (kind -> struct code and padding).
+_VALUE_CODE = {0: "i20x", 1: "q16x", 2: "f20x", 3: "d16x"}
 
 
 class _ValueLayout:
-    """How a list of values of the given kinds sits in an array of wasmtime_val_t."""
+    """How a list of values of the given kinds sits in an array of wasmtime_val_t: read and
+    written with one struct call, in a buffer of ours (a slot, or a call's own arrays)."""
 
     __slots__ = ("kinds", "_reader", "_writer")
 
@@ -310,17 +331,17 @@ class _ValueLayout:
         self._reader = struct.Struct("<" + "".join("8x" + _VALUE_CODE[kind] for kind in kinds))
         self._writer = struct.Struct("<" + "".join("B7x" + _VALUE_CODE[kind] for kind in kinds))
 
-    def read(self, address: int) -> tuple[Value, ...]:
-        return self._reader.unpack_from(_NATIVE, address) if self.kinds else ()
+    def read(self, buffer: memoryview, offset: int = 0) -> tuple[Value, ...]:
+        return self._reader.unpack_from(buffer, offset) if self.kinds else ()
 
-    def write(self, address: int, values: Sequence[Value], what: str) -> None:
+    def write(self, buffer: memoryview, offset: int, values: Sequence[Value], what: str) -> None:
         if len(values) != len(self.kinds):
             raise ValueError(f"{what} takes {len(self.kinds)} values, got {len(values)}")
         if len(values) == 1:
-            self._writer.pack_into(_NATIVE, address, self.kinds[0], values[0])
+            self._writer.pack_into(buffer, offset, self.kinds[0], values[0])
         elif values:
             fields = [field for pair in zip(self.kinds, values) for field in pair]
-            self._writer.pack_into(_NATIVE, address, *fields)
+            self._writer.pack_into(buffer, offset, *fields)
 
 
 class _HostFunction:
@@ -360,6 +381,11 @@ class _PerThread(threading.local):
 _polling = _PerThread()  # the fiber this thread is polling: host callbacks run inside its poll
 
 
+def polling_fiber() -> "Fiber | None":
+    """The fiber this thread is polling now (host functions run inside its poll), or None."""
+    return _polling.fiber
+
+
 def _kinds(types: Sequence[wasmtime.ValType]) -> tuple[int, ...]:
     try:
         return tuple(_KIND_OF_TYPE[str(t)] for t in types)
@@ -393,19 +419,21 @@ def _failure_message(function: _HostFunction | None, error: BaseException) -> st
     return f"{name} failed: {detail}"
 
 
-# Our callback prototypes: wasmtime's, with every pointer as a plain integer (see raw_prototype).
-_SYNC_CALLBACK = ctypes.CFUNCTYPE(_size, _vp, _vp, _vp, _size, _vp, _size)
+# Our callback prototypes, with every pointer as a plain integer (see raw_prototype).
 _FINALIZER = ctypes.CFUNCTYPE(None, _vp)
 
 
-@_SYNC_CALLBACK
-def _call_sync(key, caller, args, nargs, results, nresults):
-    """Runs a `define_func` handler; returns 0, or a trap pointer. Never raises."""
-    function, call = _FUNCTIONS.get(key), None
+@ctypes.CFUNCTYPE(_vp, ctypes.c_uint64)
+def _handle_sync_call(key):
+    """Runs a `define_func` handler for fiber_native.c's sym_fiber_sync_call, which recorded
+    the call in the polled fiber's slot: the answer goes there too. Returns 0, or a trap
+    pointer. Never raises."""
+    function, call, fiber = _FUNCTIONS.get(key), None, _polling.fiber
     try:
-        call = HostCall(caller, _polling.fiber)
-        values = function.handler(call, function.params.read(args))
-        function.results.write(results, values, function.qualified_name)
+        call = HostCall(fiber._fields[_CALLER], fiber)
+        view = fiber._view
+        values = function.handler(call, function.params.read(view, _ARGS_OFFSET))
+        function.results.write(view, _ANSWER_OFFSET, values, function.qualified_name)
         return 0
     except BaseException as error:
         return _trap_for(function, error)
@@ -414,29 +442,35 @@ def _call_sync(key, caller, args, nargs, results, nresults):
             call._caller = None
 
 
-def _set_trap(trap_slot: int, trap: int) -> None:
-    _ADDRESS.pack_into(_NATIVE, trap_slot, trap)
+_native.sym_fiber_init.restype, _native.sym_fiber_init.argtypes = None, [_vp, _vp, _vp, _vp]
+_native.sym_fiber_init(ctypes.cast(_future_poll, _vp), ctypes.cast(_set_epoch_deadline, _vp),
+                       ctypes.cast(ffi.dll["wasmtime_trap_new"], _vp), ctypes.cast(_handle_sync_call, _vp))
+
+
+def _answer(fiber: "Fiber", function: "_HostFunction | None", values: Sequence[Value]) -> None:
+    """Write a blocking call's answer into the fiber's slot (a failure to becomes the guest's
+    trap) and raise the byte its continuation reads: the continuation copies it where wasmtime
+    wants it (fiber_native.c)."""
+    try:
+        function.results.write(fiber._view, _ANSWER_OFFSET, values, function.qualified_name)
+    except BaseException as error:
+        fiber._fields[_TRAP] = _trap_for(function, error)
+    fiber._fields[_ANSWERED] = 1
 
 
 def _deliver(fiber: "Fiber") -> None:
-    """Write the done Pending's results (or its trap) where wasmtime expects them (the result
-    and trap slots recorded with the call stay valid until it completes), then raise the byte
-    the call's continuation reads. Runs on the polling thread, inside `Fiber.poll` (so no other
-    thread can close the fiber, freeing those slots, meanwhile). Never raises: a failure to
-    write becomes the guest's trap."""
+    """Answer the call the fiber waits in with its done Pending's values (or trap). Runs on the
+    polling thread, inside `Fiber.poll` (so no other thread can close the fiber meanwhile).
+    Never raises."""
     pending, fiber._wait = fiber._wait, None
     fiber._wait_call._caller = None  # the call is over
     fiber._wait_call = None
-    fields = fiber._fields
-    function = _FUNCTIONS.get(fields[_FUNCTION])
-    try:
-        if pending.failure is not None:
-            _set_trap(fields[_TRAP_RET], _new_trap(pending.failure))
-        else:
-            function.results.write(fields[_RESULTS], pending.values, function.qualified_name)
-    except BaseException as error:
-        _set_trap(fields[_TRAP_RET], _trap_for(function, error))
-    fields[_ANSWERED] = 1  # wasmtime reads the results once it sees it
+    function = _FUNCTIONS.get(fiber._fields[_FUNCTION])
+    if pending.failure is not None:
+        fiber._fields[_TRAP] = _new_trap(pending.failure)
+        fiber._fields[_ANSWERED] = 1
+    else:
+        _answer(fiber, function, pending.values)
 
 
 @_FINALIZER
@@ -473,9 +507,11 @@ class AsyncLinker:
         values. Cheaper than `define_async` for a call that never waits: the handler runs
         inside the guest's call (a ctypes callback), where a blocking call costs one more poll
         (measured warm, one guest: 1.1 against 1.9-2.1 us). If it raises, the guest traps."""
-        self._define(_define_func, _address(_call_sync), module, name, params, results, handler)
+        self._define(_define_func, _SYNC_CALL, module, name, params, results, handler)
 
     def _define(self, define, callback: int, module: str, name: str, params, results, handler) -> None:
+        if len(results) > MAX_RESULTS:
+            raise TypeError(f"a host function of a fiber returns at most {MAX_RESULTS} results")
         key = next(_next_key)
         _FUNCTIONS[key] = _HostFunction(f"{module}.{name}", _kinds(params), _kinds(results), handler)
         module_bytes, name_bytes = module.encode(), name.encode()
@@ -521,14 +557,15 @@ class Fiber:
 
     # Slots: a scheduler touches every fiber's fields on every round; no per-fiber dict to fetch.
     __slots__ = ("owner", "result", "trap", "trap_code", "exit_code", "error", "_deferred", "_wait", "_wait_call",
-                 "_slot", "slot_address", "_fields", "_store", "_collect", "_keep", "_trap_slot", "_error_slot", "_future")
+                 "_slot", "slot_address", "_view", "_fields", "_store", "_collect", "_keep", "_trap_slot",
+                 "_error_slot", "_future")
 
     def __init__(self, store: wasmtime.Store, func: wasmtime.Func, args: Sequence[Value] = (),
                  owner: object = None):
         func_type = func.type(store)
         param_kinds, result_kinds = _kinds(func_type.params), _kinds(func_type.results)
         params = (ffi.wasmtime_val_t * len(param_kinds))()
-        _ValueLayout(param_kinds).write(ctypes.addressof(params), args, "this guest function")
+        _ValueLayout(param_kinds).write(memoryview(params).cast("B"), 0, args, "this guest function")
         results = (ffi.wasmtime_val_t * len(result_kinds))()
         result_layout = _ValueLayout(result_kinds)
 
@@ -537,13 +574,12 @@ class Fiber:
                                                 len(param_kinds), results, len(result_kinds),
                                                 trap_slot, error_slot)
 
-        self._start(store, owner, start, lambda: list(result_layout.read(ctypes.addressof(results))),
+        self._start(store, owner, start, lambda: list(result_layout.read(memoryview(results).cast("B"))),
                     keep=(func, params, results))
 
     @classmethod
     def _instantiation(cls, linker: AsyncLinker, store: wasmtime.Store, module: wasmtime.Module,
                        owner: object) -> "Fiber":
-        fiber = cls.__new__(cls)
         instance = ffi.wasmtime_instance_t()
 
         def start(trap_slot, error_slot):
@@ -551,8 +587,17 @@ class Fiber:
                                                          module.ptr(), ctypes.byref(instance),
                                                          trap_slot, error_slot)
 
-        fiber._start(store, owner, start, lambda: [wasmtime.Instance._from_raw(instance)],
-                     keep=(linker.linker, module, instance))
+        return cls.of_call(store, start, lambda: [wasmtime.Instance._from_raw(instance)],
+                           keep=(linker.linker, module, instance), owner=owner)
+
+    @classmethod
+    def of_call(cls, store: wasmtime.Store, start, collect, keep: tuple, owner: object = None) -> "Fiber":
+        """A fiber of any async call of wasmtime's C API (a component's call or instantiation,
+        say): `start(trap_slot, error_slot)` starts it and returns its call future, `collect()`
+        gives `result` once it finished, and `keep` holds what the future points into until it
+        is closed."""
+        fiber = cls.__new__(cls)
+        fiber._start(store, owner, start, collect, keep)
         return fiber
 
     def _start(self, store: wasmtime.Store, owner: object, start, collect, keep: tuple) -> None:
@@ -569,8 +614,9 @@ class Fiber:
         self._deferred: BaseException | None = None
         self._wait: Pending | None = None  # the answer of the host call it waits in, while it waits
         self._wait_call: HostCall | None = None  # and that call
-        self._slot = ctypes.create_string_buffer(_SLOT_BYTES)  # fiber_native.c's sym_fiber_slot
-        self.slot_address, self._fields = ctypes.addressof(self._slot), memoryview(self._slot).cast("B").cast("Q")
+        self._slot = _Slot()
+        self.slot_address, self._view = ctypes.addressof(self._slot), memoryview(self._slot).cast("B")
+        self._fields = self._view.cast("Q")
         self._fields[_CONTEXT] = _address(store._context())
         self._store = store
         self._collect = collect
@@ -599,7 +645,7 @@ class Fiber:
         for index in range(MAX_PREFETCHED_OBJECTS):
             item = objects[index] if index < len(objects) else None
             fields[_HOST_OBJECTS + index] = 0 if item is None else id(item) - _OBJECT_PREFIX
-            fields[_HOST_OBJECTS + MAX_PREFETCHED_OBJECTS + index] = \
+            fields[_HOST_OBJECT_BYTES + index] = \
                 0 if item is None else min(_OBJECT_PREFIX + sys.getsizeof(item), _MAX_OBJECT_BYTES)
 
     def poll(self, time_slice_ticks: int = 0, prefetch: int | None = None) -> bool:
@@ -638,7 +684,7 @@ class Fiber:
         function, call = _FUNCTIONS.get(fields[_FUNCTION]), None
         try:
             call = HostCall(fields[_CALLER], self)
-            outcome = function.handler(call, function.params.read(self.slot_address + _ARGS_OFFSET))
+            outcome = function.handler(call, function.params.read(self._view, _ARGS_OFFSET))
             if self._future is not None:  # else the handler closed this fiber: the call's slots are gone
                 if isinstance(outcome, Pending):  # the call stays valid while the guest waits
                     self._wait, self._wait_call = outcome, call
@@ -649,11 +695,13 @@ class Fiber:
                     return False
                 if not isinstance(outcome, Ready):
                     raise TypeError(f"handler returned {type(outcome).__name__}, not Ready or Pending")
-                function.results.write(fields[_RESULTS], outcome.values, function.qualified_name)
+                call._caller = None
+                _answer(self, function, outcome.values)
+                return True
         except BaseException as error:
             trap = _trap_for(function, error)
             if self._future is not None:
-                _set_trap(fields[_TRAP_RET], trap)
+                fields[_TRAP] = trap
             else:
                 ffi.wasm_trap_delete(ctypes.cast(trap, ctypes.POINTER(ffi.wasm_trap_t)))
         if call is not None:

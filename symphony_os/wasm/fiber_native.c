@@ -1,16 +1,23 @@
-/* The C half of fiber.py: what wasmtime calls when a guest makes a blocking host call, the
- * poll that runs a guest on, and the epoch ticker's loop. Python reaches it through ctypes
- * (fiber.py loads it, built by native_build.py with zig's clang); it calls nothing of Python's,
- * so a guest's blocking call costs no callback into the interpreter and runs nothing on the
- * guest's cold fiber stack.
+/* The C half of fiber.py: what wasmtime calls when a guest makes a host call, the poll that
+ * runs a guest on, and the epoch ticker's loop. Python reaches it through ctypes (fiber.py loads
+ * it, built by native_build.py with zig's clang).
  *
- * The callback only records the call (which function, its arguments, where its results and
- * trap go) in the polled fiber's slot and hands wasmtime a continuation that reads the slot's
- * `answered` byte. `sym_fiber_poll` returns 2 when the guest made such a call; fiber.py then
- * runs the call's handler on its own stack, writes the results, raises `answered`, and the
- * next poll resumes the guest. (Measured, 1024 guests each making one blocking call a round:
- * 2.0 us per guest-round, against 6.4-8.0 with the call answered through a ctypes callback.)
- * A poll also prefetches what the caller's next poll will touch (prefetch_slot).
+ * The slot (sym_fiber_slot, one per fiber) is the only memory the two halves share: fiber.py
+ * declares it once as a ctypes Structure whose every offset is checked against this file's at
+ * import (sym_fiber_slot_layout). Python reads a call's arguments from it and writes the answer
+ * (results, or a trap) into it; C copies between the slot and wasmtime's own arrays, so Python
+ * never touches memory wasmtime handed out by address.
+ *
+ * A blocking call's callback records the call (which function, its arguments, where its results
+ * and trap go) in the polled fiber's slot and hands wasmtime a continuation that reads the
+ * slot's `answered` byte; it calls nothing of Python's, so the call costs no callback into the
+ * interpreter and runs nothing on the guest's cold fiber stack. `sym_fiber_poll` returns 2 when
+ * the guest made such a call; fiber.py then runs the call's handler on its own stack, writes the
+ * answer, raises `answered`, and the next poll resumes the guest, the continuation copying the
+ * answer out. (Measured, 1024 guests each making one blocking call a round: 2.0 us per
+ * guest-round, against 6.4-8.0 with the call answered through a ctypes callback.) A call that
+ * never blocks runs its handler at once, through one ctypes callback taking the function's key
+ * (sym_fiber_sync_call). A poll also prefetches what the caller's next poll will touch.
  *
  * Built with -nostdlib: it needs no C library, so zig compiles it in a tenth of a second
  * without building one first. wasmtime's functions arrive as pointers (`sym_fiber_init`). */
@@ -19,6 +26,7 @@
 #include <stdint.h>
 
 #define SYM_FIBER_MAX_ARGS 16
+#define SYM_FIBER_MAX_RESULTS 4
 #define SYM_FIBER_HOST_OBJECTS 8
 
 typedef struct { /* wasmtime_val_t: a kind byte, then the value at offset 8 */
@@ -33,19 +41,21 @@ typedef struct { /* wasmtime_async_continuation_t */
     void (*finalizer)(void *env);
 } sym_continuation;
 
-/* One per fiber, owned by fiber.py's Fiber; its word indices (_FUTURE ... _ANSWERED) and
-   _ARGS_OFFSET mirror this layout, checked at import through the two functions below. */
+/* One per fiber, owned by fiber.py's Fiber (its _Slot declares the same layout). */
 typedef struct {
     void *future;          /* the call's wasmtime_call_future_t */
     void *context;         /* its store's context, for a fresh time slice */
     uint64_t called;       /* 1 once the guest made a blocking call in this poll */
     uint64_t function;     /* the called host function's key (its env) */
     void *caller;          /* the wasmtime_caller_t, alive while the guest waits in the call */
-    void *results;         /* where the call's results go (wasmtime_val_t[]) */
-    void *trap_ret;        /* where a trap goes (wasm_trap_t **) */
+    sym_val *results;      /* where the call's results go (wasmtime's array) */
+    void **trap_ret;       /* where a trap goes (wasm_trap_t **) */
     uint64_t nargs;
-    uint8_t answered[8];   /* byte 0: the continuation's answer, raised once results are written */
-    sym_val args[SYM_FIBER_MAX_ARGS];
+    uint8_t answered[8];   /* byte 0: the continuation's answer, raised once the answer is written */
+    uint64_t nresults;
+    void *trap;            /* the host's answer when it is a trap (a wasm_trap_t *), else null */
+    sym_val args[SYM_FIBER_MAX_ARGS];    /* the call's arguments, copied here */
+    sym_val answer[SYM_FIBER_MAX_RESULTS]; /* the host's results, copied to `results` */
     const char *stack;     /* where the guest's fiber stack was at its last blocking call (prefetch) */
     /* Host objects that handling its calls touches (fiber.py's `Fiber.prefetch_with`): their
        addresses and sizes, for prefetch_slot; unused entries are null. */
@@ -56,52 +66,121 @@ typedef struct {
 typedef bool (*future_poll_fn)(void *future);
 typedef void (*set_deadline_fn)(void *context, uint64_t ticks);
 typedef void *(*trap_new_fn)(const char *message, size_t length);
+typedef void *(*sync_handler_fn)(uint64_t function); /* fiber.py's: 0, or a trap */
 
 static future_poll_fn future_poll;
 static set_deadline_fn set_epoch_deadline;
 static trap_new_fn trap_new;
+static sync_handler_fn sync_handler;
 static _Thread_local sym_fiber_slot *polled; /* the slot of the fiber this thread polls */
-static uint8_t always_answered[8] = {1};
 
-static const char NOT_POLLED[] = "a blocking host function was called outside Fiber.poll";
+static const char NOT_POLLED[] = "a host function of a fiber was called outside Fiber.poll";
+static const char TOO_MANY[] = "a host function of a fiber takes at most 16 arguments and 4 results";
 
-void sym_fiber_init(void *poll, void *set_deadline, void *new_trap) {
+void sym_fiber_init(void *poll, void *set_deadline, void *new_trap, void *handle_sync_call) {
     future_poll = (future_poll_fn)poll;
     set_epoch_deadline = (set_deadline_fn)set_deadline;
     trap_new = (trap_new_fn)new_trap;
+    sync_handler = (sync_handler_fn)handle_sync_call;
 }
 
-unsigned sym_fiber_slot_size(void) { return sizeof(sym_fiber_slot); }
-unsigned sym_fiber_args_offset(void) { return offsetof(sym_fiber_slot, args); }
-unsigned sym_fiber_host_objects_offset(void) { return offsetof(sym_fiber_slot, host_objects); }
-unsigned sym_fiber_host_objects_max(void) { return SYM_FIBER_HOST_OBJECTS; }
-unsigned sym_fiber_max_args(void) { return SYM_FIBER_MAX_ARGS; }
+/* The slot's size and each field's offset, in its order, for fiber.py to check its _Slot by. */
+unsigned sym_fiber_slot_layout(uint32_t *out, unsigned cap) {
+    const uint32_t layout[] = {
+        sizeof(sym_fiber_slot), offsetof(sym_fiber_slot, future), offsetof(sym_fiber_slot, context),
+        offsetof(sym_fiber_slot, called), offsetof(sym_fiber_slot, function), offsetof(sym_fiber_slot, caller),
+        offsetof(sym_fiber_slot, results), offsetof(sym_fiber_slot, trap_ret), offsetof(sym_fiber_slot, nargs),
+        offsetof(sym_fiber_slot, answered), offsetof(sym_fiber_slot, nresults), offsetof(sym_fiber_slot, trap),
+        offsetof(sym_fiber_slot, args), offsetof(sym_fiber_slot, answer), offsetof(sym_fiber_slot, stack),
+        offsetof(sym_fiber_slot, host_objects), offsetof(sym_fiber_slot, host_object_bytes),
+        SYM_FIBER_MAX_ARGS, SYM_FIBER_MAX_RESULTS, SYM_FIBER_HOST_OBJECTS, sizeof(sym_val),
+    };
+    unsigned n = sizeof layout / sizeof layout[0];
+    for (unsigned i = 0; i < n && i < cap; i++)
+        out[i] = layout[i];
+    return n;
+}
 
-static bool read_answered(void *env) { return *(volatile uint8_t *)env != 0; }
-
-/* wasmtime_func_async_callback_t of every blocking host function (env: the function's key). */
-void sym_fiber_blocking_call(void *env, void *caller, const sym_val *args, size_t nargs, sym_val *results,
-                             size_t nresults, void **trap_ret, sym_continuation *continuation) {
-    (void)nresults;
-    sym_fiber_slot *slot = polled;
-    continuation->callback = read_answered;
-    continuation->finalizer = 0;
-    if (slot == 0 || nargs > SYM_FIBER_MAX_ARGS) { /* fiber.py defines no function with more */
-        *trap_ret = trap_new(NOT_POLLED, sizeof(NOT_POLLED) - 1);
-        continuation->env = always_answered;
+/* The host's answer, from the slot to where wasmtime wants it: its trap, or its results. */
+static void deliver(sym_fiber_slot *slot, sym_val *results, void **trap_ret) {
+    if (slot->trap != 0) {
+        *trap_ret = slot->trap;
+        slot->trap = 0;
         return;
+    }
+    for (uint64_t i = 0; i < slot->nresults; i++)
+        results[i] = slot->answer[i];
+}
+
+/* A blocking call's continuation (env: the slot): done once `answered` is raised. */
+static bool read_answered(void *env) {
+    sym_fiber_slot *slot = env;
+    if (*(volatile uint8_t *)slot->answered == 0)
+        return false;
+    deliver(slot, slot->results, slot->trap_ret);
+    return true;
+}
+
+static bool answered_already(void *env) { (void)env; return true; }
+
+/* Record a call in the polled fiber's slot; null (and a trap in *trap_ret) when there is no
+   polled fiber or the call does not fit in the slot (fiber.py defines no function that does not). */
+static sym_fiber_slot *record(void *env, void *caller, const sym_val *args, size_t nargs, sym_val *results,
+                              size_t nresults, void **trap_ret) {
+    sym_fiber_slot *slot = polled;
+    if (slot == 0) {
+        *trap_ret = trap_new(NOT_POLLED, sizeof(NOT_POLLED) - 1);
+        return 0;
+    }
+    if (nargs > SYM_FIBER_MAX_ARGS || nresults > SYM_FIBER_MAX_RESULTS) {
+        *trap_ret = trap_new(TOO_MANY, sizeof(TOO_MANY) - 1);
+        return 0;
     }
     for (size_t i = 0; i < nargs; i++)
         slot->args[i] = args[i];
     slot->nargs = nargs;
+    slot->nresults = nresults;
     slot->function = (uint64_t)(uintptr_t)env;
     slot->caller = caller;
     slot->results = results;
     slot->trap_ret = trap_ret;
+    slot->trap = 0;
+    return slot;
+}
+
+/* wasmtime_func_async_callback_t of every blocking host function (env: the function's key). */
+void sym_fiber_blocking_call(void *env, void *caller, const sym_val *args, size_t nargs, sym_val *results,
+                             size_t nresults, void **trap_ret, sym_continuation *continuation) {
+    sym_fiber_slot *slot = record(env, caller, args, nargs, results, nresults, trap_ret);
+    continuation->finalizer = 0;
+    if (slot == 0) {
+        continuation->callback = answered_already;
+        continuation->env = 0;
+        return;
+    }
     slot->stack = (const char *)__builtin_frame_address(0);
     slot->answered[0] = 0;
     slot->called = 1;
-    continuation->env = slot->answered;
+    continuation->callback = read_answered;
+    continuation->env = slot;
+}
+
+/* wasmtime_func_callback_t of every host function that never blocks (env: the function's key):
+   its handler runs now, in fiber.py, reading the arguments from the slot and writing the answer
+   there. Its trap is the call's result. */
+void *sym_fiber_sync_call(void *env, void *caller, const sym_val *args, size_t nargs, sym_val *results,
+                          size_t nresults) {
+    void *trap = 0;
+    sym_fiber_slot *slot = record(env, caller, args, nargs, results, nresults, &trap);
+    if (slot == 0)
+        return trap;
+    void *failed = sync_handler(slot->function);
+    if (failed != 0) {
+        slot->trap = 0;
+        return failed;
+    }
+    deliver(slot, results, &trap);
+    return trap;
 }
 
 /* Ask the cache for what polling `slot`'s guest will touch first: the slot, the top of the
