@@ -308,14 +308,8 @@ class Engine:
                 if request.started_at is not None:
                     started += 1
                     waited += request.started_at - request.submitted_at
-                file = request.file
-                if error is not None:
-                    file.failed_preds += 1
-                    if request.length_before is not None:
-                        # Undo the chunks already appended: a failed pred leaves the file as it was.
-                        kvfs.shrink(file, request.length_before)
-                file.inflight -= 1
-                kvfs.release(file, now)
+                # A failed pred leaves its file as it was: the chunks it appended are undone.
+                kvfs.end_pred(request.file, error is not None, request.length_before, now)
         counters = self._counters  # counted before the futures are answered: a waiter may read them
         counters["requests"] += started
         counters["queue_wait_s"] += waited

@@ -500,6 +500,17 @@ class KVFS:
         refuse_busy(file, "truncating")
         self.shrink(file, length)
 
+    def end_pred(self, file: KvFile, failed: bool, length_before: int | None, now: float | None = None) -> None:
+        """A pred taken with `KvSession.take_for_pred` is over: its in-flight count and its
+        reference go (`release`); a failed one's tokens are cut off again, back to the file's
+        `length_before` (None: it appended none). Under the lock."""
+        if failed:
+            file.failed_preds += 1
+            if length_before is not None:
+                self.shrink(file, length_before)
+        file.inflight -= 1
+        self.release(file, now)
+
     def shrink(self, file: KvFile, length: int) -> None:
         """Cut the file to its first `length` tokens, freeing whole pages past them."""
         keep_pages = -(-length // self.pool.page_size)
@@ -685,14 +696,13 @@ class KvSession:
 
     def take_for_pred(self, handle: int) -> KvFile:
         """The file behind a writable handle, with a reference and an in-flight pred counted on
-        it (the engine's `submit`; `KVFS.release` and `inflight -= 1` end both)."""
+        it (the engine's `submit`; `KVFS.end_pred` ends both)."""
         with self.fs.lock:
             entry = self._get(handle)
             if not entry.writable:
                 raise ReadOnlyFile(f"KV handle {handle} is read-only; fork it to write")
             file = entry.file
-            file.refs += 1  # KVFS.acquire, inline: once per pred
-            file.last_used = self.fs.clock()
+            self.fs.acquire(file)
             file.inflight += 1
             return file
 

@@ -14,7 +14,7 @@ from typing import Callable
 import wasmtime
 
 from ..errors import ErrorCode, InputClosed, LimitExceeded, SymphonyError
-from ..wasm.fiber import AsyncLinker, Fiber, HostCall, Pending, set_time_slice
+from ..wasm.fiber import AsyncLinker, Fiber, HostCall, set_time_slice
 from ..wasm.guest_memory import GuestMemory, memory_locator
 from ..wasm.program import Program
 from .core_abi import CoreCalls
@@ -108,7 +108,7 @@ class Process:
         self._fresh = True  # a fiber not polled yet: its time slice starts at its first poll
         self._memory: wasmtime.Memory | None = None  # the guest's memory, once instantiated
         self.memory: GuestMemory | None = None  # checked access to it
-        self._blocked: tuple[Wait, Pending, HostCall] | None = None
+        self._blocked: tuple[Wait, HostCall | None] | None = None  # the call it waits in
         self.wake: Callable[["Process"], None] = lambda process: None  # set by the worker
         self._woken_by_pred = self._pred_done  # one bound method, not one per pred
 
@@ -185,16 +185,16 @@ class Process:
             return GuestMemory(call.memory_location)
         return self.memory
 
-    def block_on(self, wait: Wait, call: HostCall | None) -> Pending:
-        """Suspend the guest until `wait` is over; the worker completes its call later."""
-        pending = Pending()
-        self._blocked = (wait, pending, call)
+    def block_on(self, wait: Wait, call: HostCall | None) -> Wait:
+        """Suspend the guest until `wait` is over (the fiber waits on it); the worker
+        completes the call later."""
+        self._blocked = (wait, call)
         self.state = _STATE_OF[wait.state]
         if wait.future is not None:
             wait.future.add_done_callback(self._woken_by_pred)
         elif self.input_ready():
             self.wake(self)
-        return pending
+        return wait
 
     def finish_block(self, wait: Wait, call: HostCall | None):
         """The result of a call whose wait is over: its value as the ABI encodes it, or, if
@@ -238,11 +238,11 @@ class Process:
                 return "ended"
             resumed, ticks = False, 0
             if self._blocked is not None:
-                wait, pending, call = self._blocked
+                wait, call = self._blocked
                 if not (wait.future.done() if wait.future is not None else self.input_ready()):
                     return "waiting"
                 self._blocked = None
-                pending.complete((self.finish_block(wait, call),))
+                wait.complete((self.finish_block(wait, call),))
                 self.state = _RUNNABLE
                 resumed, ticks = True, self._time_slice_ticks  # its old deadline passed while it waited
             fiber = self._fiber

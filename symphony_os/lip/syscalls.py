@@ -11,7 +11,6 @@ its buffers, `component_abi.py` converts a component's values. Every call is ent
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 from ..engine.pred_future import PredFuture
@@ -20,6 +19,7 @@ from ..engine.scheduler import PredRequest
 from ..errors import (BadHandle, BufferTooSmall, ErrorCode, InputClosed, InvalidArgument, LimitExceeded,
                       SymphonyError, Unsupported)
 from ..kv.prefix_cache import PrefixCache, TrackedFile
+from ..wasm.fiber import Pending
 
 log = logging.getLogger("symphony.syscalls")
 
@@ -32,22 +32,23 @@ INLINE_TOKENIZE_CHARS = 16 * 1024
 T = TypeVar("T")
 
 
-@dataclass(slots=True)
-class Wait:
+class Wait(Pending):
     """A call that must wait: for `future` (None: for the process's inbox), then `then(*args)`
     gives its value or raises its error. `cancel` runs if the process ends while it waits. The
     ABI that hands it to the process (Process.block_on) says how the value reaches the guest:
     `encode(memory, value)` (None: as it is), and what an error code becomes, `failed(code)`
     (a core module's int, a component's Failed). The process finishes the call on its own
-    thread (Process.finish_block), so no exception reaches wasmtime."""
+    thread (Process.finish_block), so no exception reaches wasmtime. It is also what the
+    guest's fiber waits on (a `fiber.Pending`): one object per waiting call."""
 
-    state: str
-    future: PredFuture | None
-    then: Callable[..., Any]
-    args: tuple = ()
-    cancel: Callable[[], None] | None = None
-    encode: Callable[[Any, Any], Any] | None = None
-    failed: Callable[[ErrorCode], Any] = int
+    __slots__ = ("state", "future", "then", "args", "cancel", "encode", "failed")
+
+    def __init__(self, state: str, future: PredFuture | None, then: Callable[..., Any], args: tuple = (),
+                 cancel: Callable[[], None] | None = None, encode: Callable[[Any, Any], Any] | None = None,
+                 failed: Callable[[ErrorCode], Any] = int):
+        super().__init__()
+        self.state, self.future, self.then, self.args = state, future, then, args
+        self.cancel, self.encode, self.failed = cancel, encode, failed
 
 
 def values_in(want: Want, result: PredResult) -> int:
