@@ -20,13 +20,14 @@ import wasmtime
 
 from ..engine.gc_tuning import tune_gc, untune_gc
 from ..engine.loop import Engine
+from ..wasm.component_linker import ComponentLinker
 from ..wasm.fiber import AsyncLinker, EpochTicker, Ready, make_async_engine
 from ..wasm.program import Program, load_program, load_program_file
-from .component import ComponentLinker, ComponentProcess
+from .component import ComponentProcess, component_linker
 from .core_abi import WASI_CALLS, CoreCalls, wasi_failure
-from .syscalls import Wait
 from .limits import PeriodicThread
 from .process import Process, ProcessLimits
+from .syscalls import Wait
 from .timers import Timers
 from .tools import ToolRegistry, default_tools
 
@@ -394,7 +395,7 @@ class Runtime:
     def _component_linker(self) -> ComponentLinker:
         """The linker for component programs (Python LIPs), made when the first one spawns."""
         if self.component_linker is None:
-            self.component_linker = ComponentLinker(self.wasm_engine)
+            self.component_linker = component_linker(self.wasm_engine)
         return self.component_linker
 
     def kill(self, pid: int, reason: str = "killed") -> None:
