@@ -16,7 +16,7 @@ from guests import lip
 from symphony_os.cli import main
 from symphony_os.engine.loop import Engine
 from symphony_os.errors import ErrorCode
-from symphony_os.lip.component import _INTERFACES
+from symphony_os.lip.component import INTERFACES
 from symphony_os.lip.limits import ProcessLimits
 from symphony_os.lip.process import EXIT_KILLED, EXIT_TRAPPED
 from symphony_os.lip.runtime import Runtime
@@ -82,10 +82,10 @@ def test_component_world_has_the_calls_and_errors_of_the_core_wit():
     methods = {(f.interface, f.name) for f in component if f.name in ("argmax", "top-k", "logprob", "sample")}
     assert by_interface(component) - methods == by_interface(core)
     # The host serves every call of the world, and nothing else.
-    served = {(interface, name) for interface, calls in _INTERFACES.items() for name in calls
+    served = {(interface, name) for interface, calls in INTERFACES.items() for name in calls
               if not name.startswith("[method]")}
     assert served == by_interface(core)
-    assert {name.split(".")[1] for name in _INTERFACES["inference"] if name.startswith("[method]")} == \
+    assert {name.split(".")[1] for name in INTERFACES["inference"] if name.startswith("[method]")} == \
         {name for _, name in methods}
     assert re.search(r"resource distribution", WIT.read_text())
 
@@ -95,7 +95,7 @@ def test_the_types_a_component_may_declare_are_the_wits_and_sdk_components_decla
     from the WIT): one signature per call the host serves, and a component componentize-py
     built from the WIT (it imports every call) declares exactly those."""
     signatures = component_signatures(WIT)
-    assert set(signatures) == {f"{interface}.{name}" for interface, calls in _INTERFACES.items() for name in calls}
+    assert set(signatures) == {f"{interface}.{name}" for interface, calls in INTERFACES.items() for name in calls}
     assert signatures["inference.[method]distribution.top-k"] == \
         f"(borrow<distribution>, s32) -> result<list<tuple<s32, f32>>, enum{{{', '.join(read_wit(WIT)[1])}}}>"
     assert signatures["inference.pred-wait"].startswith(

@@ -8,10 +8,8 @@ is hit ends (or refuses) only the offending process, and `Process._end` frees wh
 from __future__ import annotations
 
 import re
-import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import wasmtime
 
@@ -144,32 +142,3 @@ def store_limits(store: wasmtime.Store, limits: ProcessLimits) -> None:
                      instances=limits.instances, tables=limits.tables, memories=limits.memories)
     if limits.fuel is not None:
         store.set_fuel(limits.fuel)
-
-
-class PeriodicThread:
-    """A daemon thread that calls `tick()` every `interval_s` seconds until stopped. Use as a
-    context manager, or call `start()` and `stop()`."""
-
-    def __init__(self, tick: Callable[[], None], interval_s: float, name: str):
-        self.interval_s = interval_s
-        self._tick = tick
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stopped.wait(self.interval_s):
-            self._tick()
-
-    def start(self) -> "PeriodicThread":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self._thread.join()
-
-    def __enter__(self) -> "PeriodicThread":
-        return self.start()
-
-    def __exit__(self, *exc_info) -> None:
-        self.stop()

@@ -20,13 +20,13 @@ import wasmtime
 
 from ..engine.gc_tuning import tune_gc, untune_gc
 from ..engine.loop import Engine
+from ..wasm.component_linker import ComponentLinker
 from ..wasm.fiber import AsyncLinker, EpochTicker, Ready, make_async_engine
 from ..wasm.program import Program, load_program, load_program_file
-from .component import ComponentLinker, ComponentProcess
+from .component import ComponentProcess, component_linker
 from .core_abi import WASI_CALLS, CoreCalls, wasi_failure
-from .syscalls import Wait
-from .limits import PeriodicThread
 from .process import Process, ProcessLimits
+from .syscalls import Wait
 from .timers import Timers
 from .tools import ToolRegistry, default_tools
 
@@ -36,13 +36,27 @@ EPOCH_INTERVAL_S = 0.01  # one epoch tick: a guest's time slice is a multiple of
 log = logging.getLogger("symphony.runtime")
 
 
-class Watchdog(PeriodicThread):
-    """Kills processes past their wall time, even while they wait (a `recv` nobody answers).
-    CPU time is checked by each process whenever it is advanced."""
+class Watchdog:
+    """A thread that kills processes past their wall time every `interval_s`, even while they
+    wait (a `recv` nobody answers). CPU time is checked by each process whenever it is advanced."""
 
     def __init__(self, processes: Callable[[], Iterable[Process]], interval_s: float = 0.1):
-        super().__init__(self._check, interval_s, "symphony-watchdog")
         self._processes = processes
+        self.interval_s = interval_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="symphony-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval_s):
+            self._check()
 
     def _check(self) -> None:
         try:
@@ -394,7 +408,7 @@ class Runtime:
     def _component_linker(self) -> ComponentLinker:
         """The linker for component programs (Python LIPs), made when the first one spawns."""
         if self.component_linker is None:
-            self.component_linker = ComponentLinker(self.wasm_engine)
+            self.component_linker = component_linker(self.wasm_engine)
         return self.component_linker
 
     def kill(self, pid: int, reason: str = "killed") -> None:
