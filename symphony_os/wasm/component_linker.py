@@ -32,7 +32,7 @@ log = logging.getLogger("symphony.component")
 
 # The version wasmtime 50's WASI defines; imports of any 0.2.x version link to it.
 WASI_MONOTONIC_CLOCK = "wasi:clocks/monotonic-clock@0.2.12"
-TIMER_REFUSED = (b"a component cannot sleep or wait on a timer (wasi:clocks/monotonic-clock subscribe): "
+TIMER_REFUSED = (b"a LIP cannot sleep or wait on a timer (wasi:clocks/monotonic-clock subscribe): "
                  b"it would hold up the host's worker; wait on pred or recv instead")
 
 
@@ -81,13 +81,13 @@ def _error_name(code: ErrorCode) -> str:
 class _HostFunction:
     """One imported function: its Python handler and, after the first call, its types."""
 
-    __slots__ = ("qualified_name", "handler", "linker", "params", "length_checks", "result", "ok_type", "err_type",
+    __slots__ = ("qualified_name", "handler", "invoke", "params", "length_checks", "result", "ok_type", "err_type",
                  "typed")
 
-    def __init__(self, qualified_name: str, handler: Callable, linker: "ComponentLinker"):
+    def __init__(self, qualified_name: str, handler: Callable, invoke: Callable):
         self.qualified_name = qualified_name
         self.handler = handler
-        self.linker = linker
+        self.invoke = invoke  # its linker's (not the linker: wasmtime's linker holds this entry)
         self.typed = False
 
     def learn_types(self, ty_raw) -> None:
@@ -227,9 +227,8 @@ def _error_pointer(function: _HostFunction | None, error: BaseException):
 
 def _invoke(function: _HostFunction, store, args):
     """The linker's `invoke` for the fiber being polled (see ComponentLinker)."""
-    linker = function.linker
-    return linker.invoke(polling_fiber().owner, function.qualified_name, function.handler,
-                         lambda max_list, max_text: function.arguments(store, args, max_list, max_text))
+    return function.invoke(polling_fiber().owner, function.qualified_name, function.handler,
+                           lambda max_list, max_text: function.arguments(store, args, max_list, max_text))
 
 
 @ffi.wasmtime_component_func_callback_t
@@ -300,15 +299,17 @@ def _continue_waiting(waiting_key) -> bool:
 
 
 @ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-def _forget_waiting(waiting_key) -> None:
-    waiting = _WAITING.pop(waiting_key, None)
+def _forget_waiting(waiting_key, waiting_calls: dict = _WAITING) -> None:
+    """wasmtime dropped a waiting call's continuation. (The maps are bound here, in this and the
+    next: at interpreter exit a store may be freed after this module's globals are.)"""
+    waiting = waiting_calls.pop(waiting_key, None)
     if waiting is not None:
         waiting.pending.abandoned = not waiting.pending.done
 
 
 @ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-def _forget_function(key) -> None:
-    _FUNCTIONS.pop(key, None)
+def _forget_function(key, functions: dict = _FUNCTIONS) -> None:
+    functions.pop(key, None)
 
 
 @ffi.wasmtime_component_func_callback_t
@@ -359,7 +360,7 @@ class ComponentLinker:
 
     def _define(self, instance: wc.LinkerInstance, qualified_name: str, name: str, handler, blocking: bool) -> None:
         key = next(_next_key)
-        _FUNCTIONS[key] = _HostFunction(qualified_name, handler, self)
+        _FUNCTIONS[key] = _HostFunction(qualified_name, handler, self.invoke)
         define, trampoline = ((ffi.wasmtime_component_linker_instance_add_func_async, _call_async) if blocking
                               else (ffi.wasmtime_component_linker_instance_add_func, _call_sync))
         try:
