@@ -14,7 +14,7 @@ import logging
 from typing import Any, Callable, TypeVar
 
 from ..engine.pred_future import PredFuture
-from ..engine.sampling import Distribution, GreedyEach, PredResult, TopK, Want
+from ..engine.sampling import Distribution, GreedyEach, PredResult, Sample, TopK, Want
 from ..engine.scheduler import PredRequest
 from ..errors import (BadHandle, BufferTooSmall, ErrorCode, InputClosed, InvalidArgument, LimitExceeded,
                       SymphonyError, Unsupported)
@@ -46,7 +46,7 @@ class Wait(Pending):
     def __init__(self, state: str, future: PredFuture | None, then: Callable[..., Any], args: tuple = (),
                  cancel: Callable[[], None] | None = None, encode: Callable[[Any, Any], Any] | None = None,
                  failed: Callable[[ErrorCode], Any] = int):
-        super().__init__()
+        Pending.__init__(self)
         self.state, self.future, self.then, self.args = state, future, then, args
         self.cancel, self.encode, self.failed = cancel, encode, failed
 
@@ -66,11 +66,12 @@ def values_in(want: Want, result: PredResult) -> int:
 class SystemCalls:
     """The system calls of one process (`process`: its process.Process)."""
 
-    __slots__ = ("process", "engine", "kv", "tickets", "_next_ticket", "prefix_cache", "prefix_files", "last_limit",
-                 "_failures_logged", "host_distribution_bytes")
+    __slots__ = ("process", "usage", "engine", "kv", "tickets", "_next_ticket", "prefix_cache", "prefix_files",
+                 "last_limit", "_failures_logged", "host_distribution_bytes")
 
     def __init__(self, process):
         self.process = process
+        self.usage = process.usage  # what the process has used of its limits
         self.engine = process.engine
         self.kv = process.kv
         self.tickets: dict[int, PredRequest] = {}  # pred_submit tickets not yet waited for
@@ -88,7 +89,7 @@ class SystemCalls:
         a broken tool) becomes INTERNAL, its traceback logged once per process and call: a guest
         calling it in a loop must not flood the server's log."""
         try:
-            self.process.usage.charge_hostcall()
+            self.usage.charge_hostcall()
             return run(*args)
         except SymphonyError as error:
             return failed(self.error_code(error))
@@ -266,7 +267,7 @@ class SystemCalls:
         except SymphonyError:
             del self.tickets[ticket]
             raise
-        if room is not None and room < values_in(request.want, result):
+        if room is not None and not isinstance(request.want, Sample) and room < values_in(request.want, result):
             raise BufferTooSmall(f"the answer takes {values_in(request.want, result)} values, cap is {room}")
         del self.tickets[ticket]
         return result

@@ -465,12 +465,17 @@ def _deliver(fiber: "Fiber") -> None:
     pending, fiber._wait = fiber._wait, None
     fiber._wait_call._caller = None  # the call is over
     fiber._wait_call = None
-    function = _FUNCTIONS.get(fiber._fields[_FUNCTION])
+    fields = fiber._fields
     if pending.failure is not None:
-        fiber._fields[_TRAP] = _new_trap(pending.failure)
-        fiber._fields[_ANSWERED] = 1
-    else:
-        _answer(fiber, function, pending.values)
+        fields[_TRAP] = _new_trap(pending.failure)
+        fields[_ANSWERED] = 1
+        return
+    function = _FUNCTIONS.get(fields[_FUNCTION])
+    try:  # _answer, inline: once per waited call
+        function.results.write(fiber._view, _ANSWER_OFFSET, pending.values, function.qualified_name)
+    except BaseException as error:
+        fields[_TRAP] = _trap_for(function, error)
+    fields[_ANSWERED] = 1
 
 
 @_FINALIZER
