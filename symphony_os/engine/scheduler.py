@@ -72,22 +72,14 @@ class BatchScheduler:
         self.max_batch_size = max_batch_size
         # Insertion-ordered: arrival order for planning, O(1) removal when a request finishes.
         self.waiting: dict[int, PredRequest] = {}
-        self._waiting_per_owner: dict[str, int] = {}  # tenant -> its requests waiting
 
     def add(self, request: PredRequest) -> None:
         self.waiting[id(request)] = request
-        owners, owner = self._waiting_per_owner, request.file.owner
-        owners[owner] = owners.get(owner, 0) + 1
 
     def remove_all(self, requests: list[PredRequest]) -> None:
-        waiting, owners = self.waiting, self._waiting_per_owner
+        waiting = self.waiting
         for request in requests:
             del waiting[id(request)]
-            owner = request.file.owner
-            if owners[owner] == 1:
-                del owners[owner]
-            else:
-                owners[owner] -= 1
 
     def __len__(self) -> int:
         return len(self.waiting)
@@ -101,7 +93,9 @@ class BatchScheduler:
         room = self.max_batch_size  # chunks still allowed
         busy_files: set[int] = set()
         prefill_owners: dict[str, None] = {}  # tenants with prefill work, in order of arrival
-        tenants = len(self._waiting_per_owner)
+        # The tenants waiting, counted once a batch (kept per request, it cost every add and
+        # remove two dict updates: 3% of a LIP's round).
+        tenants = len({request.file.owner for request in self.waiting.values()})
         # Decodes first, each tenant's up to its share when several wait (None: no cap). A file
         # whose earlier request is skipped in a pass takes no later one in that pass (order).
         share = max(1, min(self.max_batch_size, self.token_budget) // tenants) if tenants > 1 else None

@@ -358,7 +358,8 @@ class KVFS:
     def _grow(self, file: KvFile, n: int, now: float | None = None) -> list[int]:
         """Add `n` token slots at the end of the file (pages allocated, a shared partly filled
         last page copied first) and return their flat slot indices."""
-        self._within_length(file, n)
+        if self.max_file_tokens is not None and file.length + n > self.max_file_tokens:
+            self._refuse_length(file, n)
         page_size = self.pool.page_size
         offset = file.length % page_size
         if offset and offset + n <= page_size and not file.host_pages and self.pool.refcount[file.pages[-1]] == 1:
@@ -400,12 +401,10 @@ class KVFS:
         with self.lock:
             return self.charged_pages(quota_account(owner))
 
-    def _within_length(self, file: KvFile, more: int) -> None:
-        """Raise LimitExceeded if `more` tokens would take `file` past `max_file_tokens`."""
-        limit = self.max_file_tokens
-        if limit is not None and file.length + more > limit:
-            raise LimitExceeded(f"a KV file holds at most {limit} tokens (the model's context); this one has "
-                                f"{file.length}, {more} more asked for")
+    def _refuse_length(self, file: KvFile, more: int) -> None:
+        """LimitExceeded: `more` tokens would take `file` past `max_file_tokens`."""
+        raise LimitExceeded(f"a KV file holds at most {self.max_file_tokens} tokens (the model's context); this "
+                            f"one has {file.length}, {more} more asked for")
 
     def _within_quota(self, owner: str, more: int) -> None:
         """Raise LimitExceeded unless `owner`'s account may be charged `more` pages, evicting
@@ -462,7 +461,8 @@ class KVFS:
         page_size = self.pool.page_size
         if end <= start:
             return
-        self._within_length(dst, end - start)
+        if self.max_file_tokens is not None and dst.length + end - start > self.max_file_tokens:
+            self._refuse_length(dst, end - start)
         # Protected from the start: making src resident may reclaim, and either may be a closed
         # named file (a host-side cache's), which reclaiming would otherwise evict.
         with self.protect([src, dst]):

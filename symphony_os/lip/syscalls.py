@@ -277,7 +277,7 @@ class SystemCalls:
         """pred_submit and pred_wait in one blocking call (the paper's `pred`), with no ticket.
         The answer's room is checked before anything is queued, so an error leaves nothing in
         flight (there is no ticket to wait with again)."""
-        if room is not None:
+        if room is not None and (room < 0 or want.__class__ is not Sample):  # (a sampled token needs none)
             if room < 0:
                 raise InvalidArgument("cap must be >= 0")
             needed = (self.engine.loaded.config.vocab_size if isinstance(want, Distribution) else
