@@ -122,27 +122,26 @@ def test_write_probs_writes_the_distribution_into_a_host_buffer(path, rows):
 
 
 @pytest.mark.parametrize("rows", [1, 8])
-def test_distribution_into_a_buffer_is_written_there_as_the_batch_is_answered(rows):
-    """`Distribution(into=...)`: the host's softmax lands in the given buffer (a suspended LIP's
-    memory) in the batch; the result is that buffer, and delivering it there again writes
-    nothing. A buffer of the wrong size or type is left alone: that row is answered as without one."""
+def test_a_distribution_taken_at_once_goes_straight_into_its_buffer(rows):
+    """`Distribution(taken_at_once=True)` (a blocking pred): the row's logits wait for the caller,
+    whose `write_probs` takes the softmax straight into its buffer (a suspended LIP's memory),
+    exactly there and nowhere else; a row that may wait longer, in a batch of several, gets a
+    softmax of its own."""
     logits = random_logits(rows, seed=6)
     memory = torch.full((rows * VOCAB + 8,), -1.0)
     buffers = [memory[4 + row * VOCAB:4 + (row + 1) * VOCAB] for row in range(rows)]
-    wrong = torch.full((VOCAB - 1,), -1.0)
-    wrong_type = torch.full((VOCAB,), -1.0, dtype=torch.float64)
-    wants = [Distribution(into=buffer) for buffer in buffers] + [Distribution(into=wrong), Distribution(into=wrong_type)]
-    results = process_logits_reference(torch.cat([logits, logits[:1], logits[:1]]), wants, torch.Generator())
+    wants = [Distribution(taken_at_once=True)] * rows + [Distribution()]
+    results = process_logits_reference(torch.cat([logits, logits[:1]]), wants, torch.Generator())
     for row, (buffer, result) in enumerate(zip(buffers, results)):
-        torch.testing.assert_close(buffer, torch.softmax(logits[row], dim=-1), rtol=0, atol=1e-6)
-        assert result.probs.data_ptr() == buffer.data_ptr()
-        result.write_probs(buffer)  # already there
+        assert result.logits is not None and result.distribution is None  # left for the caller
+        result.write_probs(buffer)
         torch.testing.assert_close(buffer, torch.softmax(logits[row], dim=-1), rtol=0, atol=1e-6)
     assert torch.equal(memory[:4], torch.full((4,), -1.0)) and torch.equal(memory[-4:], torch.full((4,), -1.0))
-    assert torch.equal(wrong, torch.full((VOCAB - 1,), -1.0))
-    assert torch.equal(wrong_type, torch.full((VOCAB,), -1.0, dtype=torch.float64))
-    for result in results[-2:]:
-        torch.testing.assert_close(result.probs, torch.softmax(logits[0], dim=-1), rtol=0, atol=1e-6)
+    waits = results[-1]
+    assert waits.logits is None and waits.distribution is not None
+    torch.testing.assert_close(waits.probs, torch.softmax(logits[0], dim=-1), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="exactly"):
+        results[0].write_probs(torch.zeros(VOCAB - 1))
 
 
 @pytest.mark.parametrize("rows", [1, 8])

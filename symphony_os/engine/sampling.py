@@ -38,14 +38,13 @@ FLOAT32_TINY = torch.finfo(torch.float32).tiny
 class Distribution:
     """Return the softmax of the logits (float32, length vocab_size).
 
-    `into`: a float32 CPU tensor of vocab_size where the host's softmax is written as the batch
-    is answered (a blocking pred's buffer in a suspended LIP's memory: no tensor of its own, no
-    copy); the result's `distribution` is then that tensor. The owner of that memory keeps it
-    alive and untouched until the request is answered. A device's distribution is not written
-    there (`PredResult.write_probs` copies it when it is delivered)."""
+    `taken_at_once`: the caller takes the answer as soon as it comes (a blocking pred): on the
+    host, the row's logits are kept until then, and `PredResult.write_probs` takes the softmax
+    straight into where the caller wants it (a LIP's buffer: no tensor of its own, no copy). A
+    row kept holds its whole batch's logits: a request that may wait longer is answered with a
+    softmax of its own (a batch of one row is always kept)."""
 
-    into: torch.Tensor | None = field(default=None, compare=False, repr=False)
-    keep: object = field(default=None, compare=False, repr=False)  # what owns into's memory: held with the request
+    taken_at_once: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,10 +134,6 @@ class PredResult:
         tensor of its own and a copy of that)."""
         if out.shape != (self.vocab_size,):
             raise ValueError(f"write_probs needs room for exactly {self.vocab_size} floats, got {tuple(out.shape)}")
-        distribution = self.distribution
-        if (distribution is not None and distribution.data_ptr() == out.data_ptr()
-                and distribution.device == out.device):
-            return  # written there already (Distribution.into)
         logits = self.logits
         if logits is not None and logits.device == out.device:
             torch.softmax(logits, dim=-1, out=out)
@@ -151,9 +146,6 @@ def validate_want(want: Want, vocab_size: int) -> None:
     if want is GREEDY or isinstance(want, GreedyEach):
         return
     if isinstance(want, Distribution):
-        into = want.into
-        if into is not None and not (into.dtype == torch.float32 and into.device.type == "cpu" and into.dim() == 1):
-            raise InvalidArgument("a distribution's buffer must be a 1-D float32 CPU tensor")
         return
     if isinstance(want, TopK):
         if not 1 <= want.k <= vocab_size:
@@ -234,15 +226,11 @@ def process_logits_reference(logits: torch.Tensor, wants: list[Want],
     for row, want in enumerate(wants):
         try:
             if isinstance(want, Distribution):
-                into = want.into
-                if (into is not None and into.shape == logits.shape[1:] and into.dtype == logits.dtype
-                        and into.device == logits.device):  # where it goes: written there
-                    results.append(PredResult(distribution=torch.softmax(logits[row], dim=-1, out=into)))
-                # A batch of one: the softmax waits to be taken straight into where it goes (a LIP's
-                # buffer: PredResult.write_probs). Of more rows, each is taken here: a row kept for
-                # later would hold the batch's logits (a LIP's unwaited tickets count one row each)
-                # or need a copy of its own, which costs more than it saves (bench/NOTES.md).
-                elif len(logits) == 1:
+                # The softmax waits to be taken straight into where it goes (PredResult.write_probs)
+                # when that is soon or costs nothing to wait for: a row kept for later holds the
+                # batch's logits (a LIP's unwaited tickets count one row each), and a copy of its
+                # own costs more than it saves (bench/NOTES.md).
+                if want.taken_at_once or len(logits) == 1:
                     results.append(PredResult(logits=logits[row]))
                 else:
                     results.append(PredResult(distribution=torch.softmax(logits[row], dim=-1).cpu()))

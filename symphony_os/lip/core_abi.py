@@ -42,6 +42,11 @@ def _signature_of(func) -> int:
     return func.__code__.co_argcount - 2  # minus self and memory
 
 
+# What a blocking pred of kind distribution asks the engine for: its answer is taken at once,
+# straight into the guest's buffer (sampling.Distribution).
+_DISTRIBUTION_TAKEN_AT_ONCE = Distribution(taken_at_once=True)
+
+
 def _sampled_token(_memory: GuestMemory, result: PredResult) -> int:
     return result.token
 
@@ -49,13 +54,16 @@ def _sampled_token(_memory: GuestMemory, result: PredResult) -> int:
 class CoreCalls:
     """The `symphony` imports of one core-module process, over its `SystemCalls`."""
 
-    __slots__ = ("calls", "process", "_distribution_into")
+    __slots__ = ("calls", "process", "_distribution_buffer")
 
     def __init__(self, calls: SystemCalls):
         self.calls = calls
         self.process = calls.process
-        # The last blocking pred's distribution buffer: (guest address, the want writing there).
-        self._distribution_into: tuple[int, Distribution] | None = None
+        # The last distribution buffer written: (guest address, a float32 tensor over it). A
+        # guest decodes into one buffer token after token: its tensor is made once (a memory
+        # never moves or shrinks). Measured at batch 1, after each forward pass: 13 us a token
+        # for the tensor alone.
+        self._distribution_buffer: tuple[int, object] | None = None
 
     @classmethod
     def table(cls) -> dict[str, int]:
@@ -216,21 +224,8 @@ class CoreCalls:
             raise InvalidArgument("cap must be >= 0")
         mem.check(out_ptr, 4 * cap)
         tokens, positions, want = self._pred_request(mem, ids_ptr, pos_ptr, n, kind, arg)
-        if kind == KIND_DISTRIBUTION:
-            # The host's softmax goes straight into the guest's buffer as the batch is answered
-            # (the guest is suspended until then, and its memory never moves; the request holds
-            # the Store that owns that memory, so it outlives a kill meanwhile). A guest decodes
-            # into one buffer token after token: its tensor is made once (a memory never moves
-            # or shrinks, and one blocking pred at a time writes it). Measured at batch 1, after
-            # each forward pass: 13 us a token for the tensor alone.
-            cached = self._distribution_into
-            if cached is not None and cached[0] == out_ptr:
-                want = cached[1]
-            else:
-                into = mem.f32_tensor(out_ptr, self.calls.vocab_size())
-                if into is not None:
-                    want = Distribution(into=into, keep=self.process.store)
-                    self._distribution_into = (out_ptr, want)
+        if kind == KIND_DISTRIBUTION:  # its softmax goes straight into the guest's buffer
+            want = _DISTRIBUTION_TAKEN_AT_ONCE
         outcome = self.calls.pred(kv, tokens, positions, want, cap)
         if isinstance(outcome, Wait):
             outcome.encode = _sampled_token if kind == KIND_SAMPLE else \
@@ -238,16 +233,19 @@ class CoreCalls:
             return outcome
         return self._write_answer(mem, outcome, want, out_ptr)
 
-    @staticmethod
-    def _write_answer(mem: GuestMemory, result: PredResult, want: Want, out_ptr: int) -> int:
+    def _write_answer(self, mem: GuestMemory, result: PredResult, want: Want, out_ptr: int) -> int:
         """Write a pred's answer at out_ptr (its room was checked); returns the call's value:
         the sampled token, or the count of values written."""
         if isinstance(want, Sample):
             return result.token
         if isinstance(want, Distribution):
             vocab = result.vocab_size
-            into = want.into  # the buffer at out_ptr, when the pred was queued with it
-            out = into if into is not None and into.numel() == vocab else mem.f32_tensor(out_ptr, vocab)
+            cached = self._distribution_buffer
+            if cached is not None and cached[0] == out_ptr and cached[1].numel() == vocab:
+                out = cached[1]
+            else:
+                out = mem.f32_tensor(out_ptr, vocab)
+                self._distribution_buffer = None if out is None else (out_ptr, out)
             if out is None:  # not aligned for float32s: through a tensor of its own
                 mem.write_tensor(out_ptr, result.probs)
             else:
