@@ -39,10 +39,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 from engine import cpu_name, python_build  # noqa: E402  (bench/engine.py)
+from hostcall import api_decode as greedy_api_decode  # noqa: E402  (bench/hostcall.py)
 
 from symphony_os.engine import Engine  # noqa: E402
 from symphony_os.engine.gc_tuning import tune_gc, untune_gc  # noqa: E402
-from symphony_os.engine.sampling import GREEDY  # noqa: E402
 from symphony_os.lip.runtime import Runtime  # noqa: E402
 from symphony_os.model.random_model import build_random_model  # noqa: E402
 from symphony_os.wasm.native_build import ZIG_CC  # noqa: E402
@@ -108,26 +108,7 @@ class TimedRunner:
 
 def api_decode(engine: Engine, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
     """Greedy decoding through the Python API: a submit per sequence per step, then the batch."""
-    kv = engine.session()
-    handles = [kv.create() for _ in prompts]
-    feeds, out, live = [list(p) for p in prompts], [[] for _ in prompts], set(range(len(prompts)))
-    eos = set(engine.loaded.eos_token_ids)
-    started = time.perf_counter()
-    for _ in range(NEW_TOKENS):
-        futures = {i: engine.submit(kv, handles[i], feeds[i], want=GREEDY) for i in live}
-        engine.run_until_idle()
-        for i, future in futures.items():
-            token = future.result().token
-            if token in eos:
-                live.discard(i)
-            else:
-                out[i].append(token)
-                feeds[i] = [token]
-        if not live:
-            break
-    elapsed = time.perf_counter() - started
-    kv.close_all()
-    return elapsed, out
+    return greedy_api_decode(engine, prompts, NEW_TOKENS)
 
 
 def lip_decode(engine: Engine, program: Path, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:

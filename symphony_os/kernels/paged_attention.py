@@ -64,6 +64,24 @@ def _attend_tile(acc, row_max, row_sum, q, k_cache_ptr, v_cache_ptr, page_table_
 
 
 @triton.jit
+def _attend_keys(q, k_cache_ptr, v_cache_ptr, page_table_row_ptr, key_begin, key_end, context_len, query_pos,
+                 kv_head, stride_page, stride_slot, stride_head, qk_scale, window,
+                 PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """The rows of `q` over keys key_begin .. key_end, a tile at a time (_attend_tile): the
+    accumulated output, its rows' running maxima and sums."""
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    row_max = tl.full([BLOCK_M], _NO_MAX, dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for key_start in range(key_begin, key_end, BLOCK_N):
+        acc, row_max, row_sum = _attend_tile(
+            acc, row_max, row_sum, q, k_cache_ptr, v_cache_ptr, page_table_row_ptr,
+            key_start, context_len, query_pos, kv_head, stride_page, stride_slot, stride_head, qk_scale, window,
+            PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, HAS_WINDOW)
+    return acc, row_max, row_sum
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, context_lens_ptr,
                    out_ptr, partial_out_ptr, partial_lse_ptr,
                    qk_scale, tokens_per_split, window,
@@ -89,15 +107,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, context_lens
     q_mask = row_valid[:, None] & (dim[None, :] < HEAD_DIM)
     q = tl.load(q_ptr + seq * stride_q_seq + head[:, None] * stride_q_head + dim[None, :], mask=q_mask, other=0.0)
     query_pos = tl.where(row_valid, context_len - 1, -1)
-
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    row_max = tl.full([BLOCK_M], _NO_MAX, dtype=tl.float32)
-    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for key_start in range(key_begin, key_end, BLOCK_N):
-        acc, row_max, row_sum = _attend_tile(
-            acc, row_max, row_sum, q, k_cache_ptr, v_cache_ptr, page_table_ptr + seq * stride_table_seq,
-            key_start, context_len, query_pos, kv_head, stride_page, stride_slot, stride_head, qk_scale, window,
-            PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, HAS_WINDOW)
+    acc, row_max, row_sum = _attend_keys(
+        q, k_cache_ptr, v_cache_ptr, page_table_ptr + seq * stride_table_seq, key_begin, key_end, context_len,
+        query_pos, kv_head, stride_page, stride_slot, stride_head, qk_scale, window,
+        PAGE_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION, HAS_WINDOW)
 
     # A split with no keys (or a sequence of length 0) has row_sum 0 and acc 0: output 0.
     out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
@@ -179,20 +192,16 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, query_start
         q = tl.load(q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dim[None, :],
                     mask=q_mask, other=0.0)
 
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        row_max = tl.full([BLOCK_M], _NO_MAX, dtype=tl.float32)
-        row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         # Causal: the block's last query token sees keys up to its own absolute index.
         key_end = tl.minimum(context_len, context_len - query_len + (q_block + 1) * BLOCK_Q)
         key_begin = 0
         if HAS_WINDOW:  # from the tile of the first key the block's first query token sees
             first_seen = context_len - query_len + q_block * BLOCK_Q - window + 1
             key_begin = tl.maximum(first_seen, 0) // BLOCK_N * BLOCK_N
-        for key_start in range(key_begin, key_end, BLOCK_N):
-            acc, row_max, row_sum = _attend_tile(
-                acc, row_max, row_sum, q, k_cache_ptr, v_cache_ptr, page_table_ptr + seq * stride_table_seq,
-                key_start, context_len, query_pos, kv_head, stride_page, stride_slot, stride_head, qk_scale, window,
-                PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, HAS_WINDOW)
+        acc, row_max, row_sum = _attend_keys(
+            q, k_cache_ptr, v_cache_ptr, page_table_ptr + seq * stride_table_seq, key_begin, key_end, context_len,
+            query_pos, kv_head, stride_page, stride_slot, stride_head, qk_scale, window,
+            PAGE_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION, HAS_WINDOW)
 
         out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
         out_offset = token[:, None] * stride_out_token + head[:, None] * stride_out_head + dim[None, :]
