@@ -224,6 +224,17 @@ class Engine:
             for chunk in plan.chunks:
                 request, file = chunk.request, chunk.request.file
                 try:
+                    if request.length_before is None and request.positions is None and len(request.tokens) == 1:
+                        # A decode step continuing its file (most chunks): one KVFS call.
+                        request.length_before = file.length
+                        request.started_at = now
+                        position, slot = kvfs.reserve_next(file, clock)
+                        request.positions = positions = [position]
+                        runnable.append(chunk)
+                        seqs.append(SequenceInput(request.tokens, positions, [slot], file.pages, file.length,
+                                                  request.want.__class__ is not GreedyEach,
+                                                  request.want.__class__ is GreedyEach))
+                        continue
                     from_file = False  # positions taken from the file just now: reserve_slots checks none
                     if request.length_before is None:
                         request.length_before = file.length
@@ -302,14 +313,14 @@ class Engine:
             self.scheduler.remove_all([request for request, _, _ in outcomes])
         kvfs = self.kvfs
         started, waited = 0, 0.0
+        for request, _, _ in outcomes:
+            if request.started_at is not None:
+                started += 1
+                waited += request.started_at - request.submitted_at
         with kvfs.lock:
-            now = kvfs.clock()
-            for request, _, error in outcomes:
-                if request.started_at is not None:
-                    started += 1
-                    waited += request.started_at - request.submitted_at
-                # A failed pred leaves its file as it was: the chunks it appended are undone.
-                kvfs.end_pred(request.file, error is not None, request.length_before, now)
+            # A failed pred leaves its file as it was: the chunks it appended are undone.
+            kvfs.end_preds([(request.file, error is not None, request.length_before) for request, _, error in outcomes],
+                           kvfs.clock())
         counters = self._counters  # counted before the futures are answered: a waiter may read them
         counters["requests"] += started
         counters["queue_wait_s"] += waited

@@ -41,7 +41,8 @@ class PredFuture:
         event = self._event
         if event is not None:
             event.set()
-        self._run_callbacks()
+        if self._callbacks:
+            self._run_callbacks()
 
     def _run_callbacks(self) -> None:
         callbacks = self._callbacks

@@ -145,6 +145,9 @@ def validate_want(want: Want, vocab_size: int) -> None:
     """Raise InvalidArgument for a request that cannot be served."""
     if want is GREEDY or isinstance(want, GreedyEach):
         return
+    if want.__class__ is Sample:
+        _validate_sample(want, vocab_size)
+        return
     if isinstance(want, Distribution):
         return
     if isinstance(want, TopK):
@@ -153,16 +156,22 @@ def validate_want(want: Want, vocab_size: int) -> None:
         return
     if not isinstance(want, Sample):
         raise InvalidArgument(f"unknown pred output {want!r}")
+    _validate_sample(want, vocab_size)
+
+
+def _validate_sample(want: Sample, vocab_size: int) -> None:
     if not 0 <= want.temperature < math.inf:
         raise InvalidArgument(f"temperature must be finite and >= 0, got {want.temperature}")
     if not 0 < want.top_p <= 1:
         raise InvalidArgument(f"top_p must be in (0, 1], got {want.top_p}")
     if want.top_k < 0:
         raise InvalidArgument(f"top_k must be >= 0, got {want.top_k}")
-    if not all(abs(value) <= FLOAT32_MAX for value in want.logit_bias.values()):  # (NaN fails too)
-        raise InvalidArgument(f"logit_bias values must be finite float32 numbers (at most {FLOAT32_MAX:g})")
     if want.seed is not None and not -2**63 <= want.seed < 2**64:
         raise InvalidArgument(f"a seed is a 64-bit integer, got {want.seed}")
+    if not want.logit_bias and want.allowed_tokens is None:  # (most: no ids to check)
+        return
+    if not all(abs(value) <= FLOAT32_MAX for value in want.logit_bias.values()):  # (NaN fails too)
+        raise InvalidArgument(f"logit_bias values must be finite float32 numbers (at most {FLOAT32_MAX:g})")
     ids = list(want.logit_bias) + list(want.allowed_tokens or ())
     if any(not isinstance(i, int) or not 0 <= i < vocab_size for i in ids):
         raise InvalidArgument(f"token ids in logit_bias / allowed_tokens must be in [0, {vocab_size})")

@@ -13,34 +13,45 @@ most one request per batch, in arrival order, so writes to one file never race.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..kv.kvfs import KvFile
 from .pred_future import PredFuture
 from .sampling import Want
 
+_perf_counter = time.perf_counter
 
-@dataclass(eq=False, slots=True)
+
 class PredRequest:
     """One `pred` call: append `tokens` (at `positions`) to `file`, then answer `want`.
 
     `positions` None means "continue the file" and is fixed when the first chunk runs.
+    (A class of its own, not a dataclass: one is made per token of every sequence, and the
+    generated __init__ with its default factories cost twice the bytecodes of this one.)
     """
 
-    file: KvFile
-    tokens: list[int]
-    positions: list[int] | None
-    want: Want
-    future: PredFuture = field(default_factory=PredFuture)
-    submitted_at: float = field(default_factory=time.perf_counter)
-    done: int = 0  # tokens already appended by earlier chunks
-    length_before: int | None = None  # the file's length when the first chunk ran (for rollback)
-    started_at: float | None = None
-    greedy_each: list[int] | None = None  # GreedyEach: argmaxes of the chunks so far
+    __slots__ = ("file", "tokens", "positions", "want", "future", "submitted_at", "done", "length_before",
+                 "started_at", "greedy_each")
+
+    def __init__(self, file: KvFile, tokens: list[int], positions: list[int] | None, want: Want):
+        self.file = file
+        self.tokens = tokens
+        self.positions = positions
+        self.want = want
+        self.future = PredFuture()
+        self.submitted_at = _perf_counter()
+        self.done = 0  # tokens already appended by earlier chunks
+        self.length_before: int | None = None  # the file's length when the first chunk ran (for rollback)
+        self.started_at: float | None = None
+        self.greedy_each: list[int] | None = None  # GreedyEach: argmaxes of the chunks so far
 
     @property
     def remaining(self) -> int:
         return len(self.tokens) - self.done
+
+    def __repr__(self) -> str:
+        return (f"PredRequest(file={self.file.file_id}, tokens={len(self.tokens)}, done={self.done}, "
+                f"want={self.want!r})")
 
 
 @dataclass(slots=True)

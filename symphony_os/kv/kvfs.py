@@ -42,6 +42,7 @@ from .pool import HostPage, KVPool
 
 MAX_PATH_BYTES = 255
 MAX_POSITION = 2**31 - 1  # positions are 32-bit in the guest ABI and in the kernels
+_NO_RUN = (0, 0)  # an empty file's runs: its next position is 0
 # Named files a tenant may keep, unless `KVFS.file_quota` says otherwise. An empty named file
 # holds no page, so page quotas do not bound them, and each costs the host ~900 bytes: a guest
 # creating and closing names in a loop (80k a second) would otherwise fill the host's memory.
@@ -173,6 +174,7 @@ class KVFS:
         self.pool = pool
         self.clock = clock
         self.max_file_tokens = max_file_tokens  # None: files are bounded by the pool and quotas alone
+        self._token_bound = max_file_tokens if max_file_tokens is not None else MAX_POSITION + 1
         self.lock = threading.RLock()
         self._files: dict[int, KvFile] = {}
         self._names: dict[tuple[str, str], KvFile] = {}
@@ -355,6 +357,24 @@ class KVFS:
             file.runs = [(0, positions[0])]
         return slots
 
+    def reserve_next(self, file: KvFile, now: float) -> tuple[int, int]:
+        """One token continuing `file` at its next position (a decode step): (its position, its
+        flat slot). The token counts as part of the file from now on. Under the lock; `now` is
+        the batch's clock. The common case, the token in the file's own resident last page,
+        takes no call (one a sequence a batch); the rest is `reserve_slots`."""
+        length, pool = file.length, self.pool
+        runs = file.runs
+        index, first = runs[-1] if runs else _NO_RUN
+        position = first + length - index
+        offset = length % pool.page_size
+        if offset and 0 <= position < MAX_POSITION and length < self._token_bound and not file.host_pages:
+            last = file.pages[-1]
+            if pool.refcount[last] == 1:
+                file.length = length + 1
+                file.last_used = now
+                return position, last * pool.page_size + offset
+        return position, self.reserve_slots(file, [position], now, position >= 0)[0]
+
     def _grow(self, file: KvFile, n: int, now: float | None = None) -> list[int]:
         """Add `n` token slots at the end of the file (pages allocated, a shared partly filled
         last page copied first) and return their flat slot indices."""
@@ -510,6 +530,20 @@ class KVFS:
                 self.shrink(file, length_before)
         file.inflight -= 1
         self.release(file, now)
+
+    def end_preds(self, ended: list[tuple[KvFile, bool, int | None]], now: float) -> None:
+        """`end_pred` of each (file, failed, length_before) of a batch, in one call. Under the
+        lock."""
+        for file, failed, length_before in ended:
+            if failed:
+                self.end_pred(file, failed, length_before, now)
+                continue
+            file.inflight -= 1
+            refs = file.refs = file.refs - 1  # `release`, inline: its common case
+            file.last_used = now
+            if refs <= 0:
+                file.refs = refs + 1
+                self.release(file, now)
 
     def shrink(self, file: KvFile, length: int) -> None:
         """Cut the file to its first `length` tokens, freeing whole pages past them."""
@@ -698,11 +732,14 @@ class KvSession:
         """The file behind a writable handle, with a reference and an in-flight pred counted on
         it (the engine's `submit`; `KVFS.end_pred` ends both)."""
         with self.fs.lock:
-            entry = self._get(handle)
+            entry = self._handles.get(handle) if isinstance(handle, int) else None
+            if entry is None:
+                entry = self._get(handle)  # raises BadHandle
             if not entry.writable:
                 raise ReadOnlyFile(f"KV handle {handle} is read-only; fork it to write")
             file = entry.file
-            self.fs.acquire(file)
+            file.refs += 1  # KVFS.acquire, inline: once per pred
+            file.last_used = self.fs.clock()
             file.inflight += 1
             return file
 
