@@ -592,6 +592,34 @@ def test_positions_stop_at_32_bits_even_when_a_file_is_continued(fs):
     h = kv.create()
     write(fs, kv, h, 2, start=kvfs_module.MAX_POSITION - 1)
     with fs.lock, pytest.raises(PositionError, match="positions end at"):
-        file = kv.file_of(h)
-        fs.reserve_slots(file, [file.next_position], from_file=True)  # how the engine continues a file
+        fs.reserve_next(kv.file_of(h), 0.0)  # how the engine continues a file
     kv.close_all()
+
+
+def test_a_decode_step_takes_the_next_position_and_its_slot(fs, clock):
+    """KVFS.reserve_next, the engine's decode step: in the file's own last page, in a new page
+    at a page boundary, in a copy of a last page a fork shares; refused past the file bound."""
+    kv = fs.session()
+    h = kv.create()
+    write(fs, kv, h, PAGE + 1)
+    file = kv.file_of(h, write=True)
+    with fs.lock:
+        assert fs.reserve_next(file, clock()) == (PAGE + 1, file.pages[1] * PAGE + 1)
+        for _ in range(PAGE - 2):
+            fs.reserve_next(file, clock())
+        assert fs.reserve_next(file, clock()) == (2 * PAGE, file.pages[2] * PAGE)  # a new page
+    assert file.length == 2 * PAGE + 1 and file.next_position == 2 * PAGE + 1
+    forked = kv.file_of(kv.fork(h), write=True)
+    shared = forked.pages[-1]
+    with fs.lock:
+        position, slot = fs.reserve_next(forked, clock())
+    assert position == 2 * PAGE + 1 and forked.pages[-1] != shared and slot == forked.pages[-1] * PAGE + 1
+    assert file.pages[-1] == shared and file.length == 2 * PAGE + 1  # the original is untouched
+    kv.close_all()
+    bounded = KVFS(fs.pool, clock=clock, max_file_tokens=PAGE + 2)
+    session = bounded.session()
+    b = session.create()
+    write(bounded, session, b, PAGE + 2)
+    with bounded.lock, pytest.raises(LimitExceeded, match="the model's context"):
+        bounded.reserve_next(session.file_of(b, write=True), clock())
+    session.close_all()
