@@ -50,14 +50,27 @@ class EngineStats:
         return 1000 * self.queue_wait_s / self.requests if self.requests else 0.0
 
 
-def default_num_pages(loaded: LoadedModel, page_size: int) -> int:
+def default_num_pages(loaded: LoadedModel, page_size: int, memory_utilization: float | None = None) -> int:
+    """The KV pool's pages by memory: on the CPU DEFAULT_CPU_KV_BYTES; on CUDA GPU_KV_FRACTION of
+    the device memory free after the weights, or, with `memory_utilization` (vLLM's
+    --gpu-memory-utilization), what is left of that fraction of the device's whole memory once
+    the weights and everything else on it are counted."""
     cfg, device = loaded.config, loaded.model.device
     element = torch.empty((), dtype=loaded.model.dtype).element_size()
     bytes_per_page = 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * element
     budget = DEFAULT_CPU_KV_BYTES
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
+        free, total = torch.cuda.mem_get_info(device)
         budget = int(free * GPU_KV_FRACTION)
+        if memory_utilization is not None:
+            budget = int(total * memory_utilization) - (total - free)
+            if budget < bytes_per_page:
+                raise ValueError(f"a memory utilization of {memory_utilization:g} leaves no room for the KV cache: "
+                                 f"{(total - free) / 2**30:.1f} of the device's {total / 2**30:.1f} GiB are in use "
+                                 f"already (weights included)")
+    elif memory_utilization is not None:
+        raise ValueError("a memory utilization sizes the KV pool on a CUDA device; on the CPU give its pages "
+                         "(--kv-pages)")
     return max(1, budget // bytes_per_page)
 
 
@@ -83,22 +96,29 @@ class Engine:
 
     def __init__(self, loaded: LoadedModel, page_size: int = 16, num_pages: int | None = None,
                  token_budget: int = 512, max_batch_size: int = 256, attention: str | None = None,
-                 max_model_len: int | None = None):
-        """`max_model_len`: the most tokens a KV file may hold (default: the model's context,
-        `max_position_embeddings`)."""
+                 max_model_len: int | None = None, seed: int = 0, memory_utilization: float | None = None):
+        """`max_model_len`: the most tokens a KV file may hold (default and most: the model's
+        context, `max_position_embeddings`). `seed`: of the draws of unseeded samples.
+        `memory_utilization`: sizes the KV pool on CUDA when `num_pages` is not given
+        (`default_num_pages`)."""
         self.loaded = loaded
         cfg = loaded.config
+        if max_model_len is not None and not 0 < max_model_len <= cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len must be in [1, {cfg.max_position_embeddings}] (the model's context), "
+                             f"got {max_model_len}")
+        if memory_utilization is not None and not 0 < memory_utilization <= 1:
+            raise ValueError(f"the memory utilization is a fraction in (0, 1], got {memory_utilization}")
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         self.pool = KVPool(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-            num_pages or default_num_pages(loaded, page_size), page_size,
+            num_pages or default_num_pages(loaded, page_size, memory_utilization), page_size,
             loaded.model.dtype, loaded.model.device,
         )
         self.kvfs = KVFS(self.pool, max_file_tokens=self.max_model_len)
         self.scheduler = BatchScheduler(token_budget, max_batch_size)
         self.backend = select_backend(loaded.model.device, attention, page_size, loaded.model.dtype)
         self.runner = ModelRunner(loaded.model, self.pool, self.backend)
-        self._generator = torch.Generator().manual_seed(0)
+        self._generator = torch.Generator().manual_seed(seed)
         self._decode = direct_decode(loaded.tokenizer)
         self._queue_mutex = threading.Lock()  # taken directly: a Condition's own `with` is Python code
         self._queue_lock = threading.Condition(self._queue_mutex)

@@ -40,6 +40,9 @@ class ServerConfig:
     bind_host: str | None = None
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
+    # The names the OpenAI-compatible endpoints answer to, the first reported (vLLM's
+    # --served-model-name); empty: the model's own name.
+    served_model_names: tuple[str, ...] = ()
 
 
 @dataclass

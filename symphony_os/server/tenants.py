@@ -104,8 +104,14 @@ class Tenants:
         self.open_access = open_access  # one tenant, no token needed
 
     @classmethod
-    def single(cls) -> "Tenants":
-        return cls([Tenant(DEFAULT_TENANT)], open_access=True)
+    def single(cls, api_key: str | None = None) -> "Tenants":
+        """One tenant, `default`, with no quotas: open to anyone, or, with `api_key` (vLLM's
+        --api-key), to requests that bear it."""
+        if api_key is None:
+            return cls([Tenant(DEFAULT_TENANT)], open_access=True)
+        if not api_key:
+            raise TenantsFileError("an API key must not be empty")
+        return cls([Tenant(DEFAULT_TENANT, api_key)])
 
     @classmethod
     def from_file(cls, path: str | Path) -> "Tenants":

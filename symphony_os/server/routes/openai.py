@@ -114,26 +114,32 @@ def _check_encodable(data: Any) -> None:
             pending += item
 
 
+def served_model_names(state: ServerState) -> tuple[str, ...]:
+    """The names requests may give as `model`: --served-model-name's, else the model's own."""
+    return state.config.served_model_names or (state.engine.loaded.name,)
+
+
 def _sampling(state: ServerState, body: SamplingBody, prompt_ids: list[int], max_tokens: int | None,
               logprobs: int | None, chat: bool) -> CompletionRequest:
     """The request for the `complete` LIP. Without max_tokens a completion gets 16 tokens (as
     OpenAI's legacy endpoint), a chat answer what the context leaves (as OpenAI and vLLM)."""
-    if body.model != state.engine.loaded.name:
+    names = served_model_names(state)
+    if body.model not in names:
         raise OpenAIError(404, f"the model {body.model!r} does not exist; this server serves "
-                               f"{state.engine.loaded.name!r}", param="model", code="model_not_found")
+                               f"{' or '.join(map(repr, names))}", param="model", code="model_not_found")
     vocab = state.engine.loaded.config.vocab_size
     if not prompt_ids:
         raise OpenAIError(400, "the prompt is empty", param="prompt")
     if any(not 0 <= t < vocab for t in prompt_ids):
         raise OpenAIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-    limit = state.engine.loaded.config.max_position_embeddings
+    limit = state.engine.max_model_len
     if max_tokens is None:
         max_tokens = max(0, min(limit - len(prompt_ids), MAX_COMPLETION_TOKENS)) if chat else 16
     if not 0 <= max_tokens <= MAX_COMPLETION_TOKENS:
         raise OpenAIError(400, f"max_tokens must be in [0, {MAX_COMPLETION_TOKENS}]", param="max_tokens")
     if len(prompt_ids) + max_tokens > limit:
         raise OpenAIError(400, f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceed the "
-                               f"model's context of {limit} tokens", param="max_tokens")
+                               f"maximum context length of {limit} tokens", param="max_tokens")
     temperature = 1.0 if body.temperature is None else body.temperature
     top_p = 1.0 if body.top_p is None else body.top_p
     n = 1 if body.n is None else body.n
@@ -366,9 +372,9 @@ async def models(request: Request):
     async def handle():
         state: ServerState = request.app.state.symphony
         tenant_of(request)
-        name = state.engine.loaded.name
         return {"object": "list", "data": [{"id": name, "object": "model", "created": int(state.started_at),
-                                            "owned_by": "symphony"}]}
+                                            "owned_by": "symphony", "max_model_len": state.engine.max_model_len}
+                                           for name in served_model_names(state)]}
     return await _guarded(handle)
 
 
