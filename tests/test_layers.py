@@ -10,21 +10,23 @@ from pathlib import Path
 import symphony_os
 
 PACKAGE = Path(symphony_os.__file__).resolve().parent
-# Layer -> the layers it may import besides itself. The error table is everyone's; wasm and kv
+# Layer -> the layers it may import besides itself. The error table is everyone's, the user's
+# cache (cache.py) everyone's who keeps things there; wasm and kv
 # know no engine; the model knows the pool; the engine knows kv and the model; LIPs know the
 # engine, kv and wasm; the server knows the LIP runtime and what is under it; the client speaks
 # HTTP and knows none of it; the command line knows everything.
 MAY_IMPORT = {
     "errors": set(),
+    "cache": set(),
     "kernels": set(),
-    "wasm": {"errors"},
+    "wasm": {"errors", "cache"},
     "kv": {"errors"},
-    "model": {"errors", "kv", "kernels"},
+    "model": {"errors", "cache", "kv", "kernels"},
     "engine": {"errors", "kv", "model", "kernels"},
     "lip": {"errors", "engine", "kv", "wasm"},
-    "server": {"errors", "lip", "engine", "kv", "model", "wasm"},
+    "server": {"errors", "cache", "lip", "engine", "kv", "model", "wasm"},
     "client": {"errors"},
-    "cli": {"errors", "kernels", "wasm", "kv", "model", "engine", "lip", "server", "client"},
+    "cli": {"errors", "cache", "kernels", "wasm", "kv", "model", "engine", "lip", "server", "client"},
 }
 
 

