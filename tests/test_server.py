@@ -14,6 +14,7 @@ import msgpack
 import pytest
 import websockets
 from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
 from guests import ECHO, echo_guest, lip, wat
 from served import GRACE_S, INPUT_WAIT_S, MAX_UPLOAD_BYTES, TOKENS, served, wait_until  # noqa: F401 (fixture)
 
@@ -166,6 +167,20 @@ def test_detached_launch_survives_without_a_client(alice):
     outlive_a_grace_period(alice)
     assert alice.inspect(pid)["state"] == "blocked-on-recv"
     alice.kill(pid)
+
+
+def test_cli_attach_follows_a_detached_process_to_its_end(served, alice):
+    """`symphony attach PID`: the output of a process launched with --detach, what stdin sends
+    it, and its exit code."""
+    pid = alice.launch(alice.upload(ECHO, "echo")["sha256"], detached=True)["pid"]
+    symphony = Path(sys.executable).parent / "symphony"
+    env = {**os.environ, "SYMPHONY_SERVER": served.url, "SYMPHONY_TOKEN": TOKENS["alice"]}
+    attached = subprocess.run([str(symphony), "attach", str(pid)], input=b"hello\nagain\n", capture_output=True,
+                              env=env, timeout=120)
+    assert attached.returncode == 0, attached.stderr.decode()
+    assert attached.stdout == b"helloagain" and alice.inspect(pid)["state"] == "exited"  # a message a line
+    missing = subprocess.run([str(symphony), "attach", "999999"], capture_output=True, env=env, timeout=120)
+    assert missing.returncode == 1 and b"999999" in missing.stderr and b"Traceback" not in missing.stderr
 
 
 BAD_UPLOADS = {
@@ -457,13 +472,37 @@ def test_a_token_in_the_websocket_url_is_refused_and_not_logged(served, alice):
     assert any("/stream" in line for line in lines) and not any(TOKENS["alice"] in line for line in lines)
 
 
-def test_metrics_are_exact_and_summaries_have_sum_and_count(served, alice):
+def test_metrics_parse_and_a_process_is_measured_as_a_request(served, alice):
+    """/metrics through prometheus_client's own parser: a LIP launched through /processes counts
+    as a request of source "process" (its first output its first token), the engine's totals are
+    whole numbers, and each pred's wait for a batch is a histogram."""
+    def families() -> dict:
+        response = httpx.get(served.url + "/metrics")
+        assert response.headers["content-type"].startswith("text/plain; version=")
+        return {f.name: f for f in text_string_to_metric_families(response.text)}
+
+    def value(family, sample_name: str, **labels) -> float:
+        return sum(s.value for s in family.samples if s.name == sample_name and labels.items() <= s.labels.items())
+
+    before = families()
     alice.run(alice.upload(lip("hello"))["sha256"], ["Once upon a time", "5"])
-    text = httpx.get(served.url + "/metrics").text
-    assert 'quantile="mean"' not in text
-    samples = dict(line.split(" ") for line in text.splitlines() if line and not line.startswith("#"))
-    assert samples["symphony_tokens_total"].isdigit() and samples["symphony_pred_queue_wait_seconds_count"].isdigit()
-    assert float(samples["symphony_pred_queue_wait_seconds_sum"]) > 0
+    after = families()
+    process = {"source": "process", "model_name": "stories260K"}
+    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
+        assert value(after[name], name + "_count", **process) == value(before[name], name + "_count", **process) + 1
+    itl = "vllm:inter_token_latency_seconds"
+    assert value(after[itl], itl + "_count", **process) > value(before[itl], itl + "_count", **process)
+    success = "vllm:request_success"
+    assert value(after[success], success + "_total", finished_reason="exited", **process) == \
+        value(before[success], success + "_total", finished_reason="exited", **process) + 1
+    tokens = value(after["symphony_tokens"], "symphony_tokens_total")
+    assert tokens > 0 and tokens == int(tokens)
+    queue = after["symphony_pred_queue_wait_seconds"]
+    buckets = [s for s in queue.samples if s.name.endswith("_bucket")]
+    assert buckets[-1].labels["le"] == "+Inf" and buckets[-1].value == value(queue, queue.name + "_count") > 0
+    assert [b.value for b in buckets] == sorted(b.value for b in buckets)  # cumulative
+    pool = served.engine.pool.stats()  # nothing runs now: as it was at the scrape
+    assert value(after["vllm:kv_cache_usage_perc"], "vllm:kv_cache_usage_perc") == pool.used / pool.total
 
 
 # Creates the named KV files "a", "keep" and "demo/b".

@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 from guests import lip
+from prometheus_client.parser import text_string_to_metric_families
 from served import SMALL_QUOTAS, TOKENS, served, wait_until  # noqa: F401 (fixture)
 
 from symphony_os.client.client import Client
@@ -54,6 +55,39 @@ def test_streamed_chat_equals_the_whole_answer(api):
     assert text == whole.choices[0].message.content and len(text) > 10
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_a_streamed_request_is_measured_in_vllms_metrics(served, api):
+    """Time to first token, the tokens between, the whole request and how it ended, under vLLM's
+    names and the model's name, read back through prometheus_client's parser."""
+    def samples() -> dict:
+        text = httpx.get(served.url + "/metrics").text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def count(table: dict, name: str, **labels) -> float:
+        wanted = {"model_name": "stories260K", **labels}
+        return sum(v for (n, ls), v in table.items() if n == name and wanted.items() <= dict(ls).items())
+
+    before = samples()
+    stream = api.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=12, temperature=0,
+                                    stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices)
+    after = samples()
+    ttft = "vllm:time_to_first_token_seconds"
+    for name, labels, more in ((f"{ttft}_count", {}, 1), (f"{ttft}_bucket", {"le": "+Inf"}, 1),
+                               ("vllm:e2e_request_latency_seconds_count", {}, 1),
+                               ("vllm:inter_token_latency_seconds_count", {}, 11),
+                               ("vllm:request_success_total", {"finished_reason": "length"}, 1)):
+        assert count(after, name, source="openai", **labels) - count(before, name, source="openai", **labels) == more, \
+            name
+    first_token = count(after, f"{ttft}_sum", source="openai") - count(before, f"{ttft}_sum", source="openai")
+    whole = (count(after, "vllm:e2e_request_latency_seconds_sum", source="openai")
+             - count(before, "vllm:e2e_request_latency_seconds_sum", source="openai"))
+    assert 0 < first_token <= whole
+    assert count(after, "vllm:generation_tokens_total") - count(before, "vllm:generation_tokens_total") == 12
+    prompt = len(served.engine.tokenize("Once upon a time"))
+    assert count(after, "vllm:prefix_cache_queries_total") - count(before, "vllm:prefix_cache_queries_total") == prompt
 
 
 def test_stop_n_seed_and_logprobs(api):
@@ -103,8 +137,8 @@ def test_identical_prompt_prefixes_reuse_kv_pages(served, api):
     assert cached[0] == 0 and cached[1] >= 32 and cached[2] >= cached[1]
     assert first.choices[0].text == second.choices[0].text
     metrics = httpx.get(served.url + "/metrics").text
-    assert "symphony_completion_cached_tokens_total 0\n" not in metrics
-    requests, generated = (int(metrics.split(f"\n{name} ")[1].split()[0]) for name in
+    assert "symphony_completion_cached_tokens_total 0.0\n" not in metrics
+    requests, generated = (float(metrics.split(f"\n{name} ")[1].split()[0]) for name in
                            ("symphony_completion_requests_total", "symphony_completion_tokens_total"))
     assert requests >= 3 and generated >= 30
     # The cache belongs to the tenant: another tenant's identical prompt starts cold.

@@ -133,47 +133,75 @@ async def _launch(server, token, program, args, env, detach, verbose) -> int:
         if detach:
             click.echo(info["pid"])
             return 0
-        stream = await client.attach(info["pid"])
-        loop = asyncio.get_running_loop()
-        lines: asyncio.Queue = asyncio.Queue()
+        return await _follow(client, info["pid"], verbose, "launch")
 
-        def read_stdin() -> None:
-            with contextlib.suppress(RuntimeError):  # the loop closed: the process ended first
-                for line in stdin_messages("launch"):
-                    loop.call_soon_threadsafe(lines.put_nowait, line)
-                loop.call_soon_threadsafe(lines.put_nowait, None)
 
-        async def forward() -> None:
-            while (line := await lines.get()) is not None:
-                await stream.send(line)
-            await stream.close_input()
+@click.command()
+@click.argument("pid", type=int)
+@click.option("--verbose", "-v", is_flag=True, help="Copy the program's log to stderr.")
+@_server_options
+def attach(pid, verbose, server, token):
+    """Attach to process PID (one launched with --detach, say): stream its output to stdout, from
+    what no client has taken yet, and stdin lines to its recv. The exit code is the program's;
+    Ctrl-C detaches again and leaves it running."""
+    with _server_errors():
+        code = asyncio.run(_attach(server, token, pid, verbose))
+    sys.exit(code)
 
-        threading.Thread(target=read_stdin, name="stdin", daemon=True).start()
-        forwarding = asyncio.create_task(forward())
-        end = {"code": 1, "reason": "the connection closed before the process ended"}
-        out = sys.stdout.buffer
-        try:
-            async for frame in stream:
-                if frame["type"] == "output":
-                    try:
-                        out.write(frame["data"])
-                        out.flush()
-                    except BrokenPipeError:  # the reader left (`| head`): end the process, quietly
-                        with contextlib.suppress(websockets.ConnectionClosed):  # (it may have ended)
-                            await stream.kill()
-                        return output_closed_status()
-                elif frame["type"] == "log" and verbose:
-                    sys.stderr.write(frame["text"])
-                elif frame["type"] == "error":  # the server refused something we sent
-                    click.echo(f"symphony launch: {frame['message']}", err=True)
-                elif frame["type"] == "exit":
-                    end = frame
-        finally:
-            forwarding.cancel()
-            await stream.close()
-        if not str(end.get("reason", "")).startswith("exit"):
-            click.echo(f"symphony launch: process {info['pid']} {end['reason']}", err=True)
-        return exit_status(end["code"])
+
+async def _attach(server, token, pid, verbose) -> int:
+    async with AsyncClient(server, token) as client:
+        return await _follow(client, pid, verbose, "attach")
+
+
+async def _follow(client: AsyncClient, pid: int, verbose: bool, command: str) -> int:
+    """Be process `pid`'s client until it ends: its output to stdout, stdin to it; its exit status."""
+    stream = await client.attach(pid)
+    loop = asyncio.get_running_loop()
+    lines: asyncio.Queue = asyncio.Queue()
+
+    def read_stdin() -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: the process ended first
+            for line in stdin_messages(command):
+                loop.call_soon_threadsafe(lines.put_nowait, line)
+            loop.call_soon_threadsafe(lines.put_nowait, None)
+
+    async def forward() -> None:
+        while (line := await lines.get()) is not None:
+            await stream.send(line)
+        await stream.close_input()
+
+    threading.Thread(target=read_stdin, name="stdin", daemon=True).start()
+    forwarding = asyncio.create_task(forward())
+    end = {"code": 1, "reason": "the connection closed before the process ended"}
+    out = sys.stdout.buffer
+    try:
+        async for frame in stream:
+            if frame["type"] == "output":
+                try:
+                    out.write(frame["data"])
+                    out.flush()
+                except BrokenPipeError:  # the reader left (`| head`): end the process, quietly
+                    with contextlib.suppress(websockets.ConnectionClosed):  # (it may have ended)
+                        await stream.kill()
+                    return output_closed_status()
+            elif frame["type"] == "log" and verbose:
+                sys.stderr.write(frame["text"])
+            elif frame["type"] == "error":  # the server refused something we sent
+                click.echo(f"symphony {command}: {frame['message']}", err=True)
+            elif frame["type"] == "exit":
+                end = frame
+    except asyncio.CancelledError:  # Ctrl-C: `attach` leaves it running, detached again
+        if command == "attach":
+            with contextlib.suppress(websockets.ConnectionClosed):
+                await stream.detach()
+        raise
+    finally:
+        forwarding.cancel()
+        await stream.close()
+    if not str(end.get("reason", "")).startswith("exit"):
+        click.echo(f"symphony {command}: process {pid} {end['reason']}", err=True)
+    return exit_status(end["code"])
 
 
 @click.command()
@@ -230,4 +258,4 @@ def kv_rm(paths, server, token):
         click.echo(f"removed {path}")
 
 
-CLIENT_COMMANDS = (upload, launch, ps, kill, kv)
+CLIENT_COMMANDS = (upload, launch, attach, ps, kill, kv)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from bisect import bisect_left as _bucket_of
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -22,6 +23,8 @@ from .pred_future import PredFuture
 from .sampling import GREEDY, GreedyEach, PredResult, Want, process_logits, validate_want
 from .scheduler import BatchPlan, BatchScheduler, PredRequest
 
+# The bounds of the pred queue-wait histogram (EngineStats.queue_wait_counts), in seconds.
+QUEUE_WAIT_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 DEFAULT_CPU_KV_BYTES = 512 * 2**20
 GPU_KV_FRACTION = 0.8  # of the device memory free after the weights
 
@@ -36,6 +39,9 @@ class EngineStats:
     tokens: int
     queue_wait_s: float
     forward_s: float
+    # Preds by their wait for a batch: [i] waited at most QUEUE_WAIT_BUCKETS_S[i] (and more than
+    # the bound before); the last, longer than every bound.
+    queue_wait_counts: tuple[int, ...] = ()
 
     @property
     def mean_batch_size(self) -> float:
@@ -126,6 +132,7 @@ class Engine:
         self._stopping = False
         self._tokenizer_thread: ThreadPoolExecutor | None = None  # tokenize_later's, made on first use
         self._counters = dict(batches=0, requests=0, sequences=0, tokens=0, queue_wait_s=0.0, forward_s=0.0)
+        self._queue_wait_counts = [0] * (len(QUEUE_WAIT_BUCKETS_S) + 1)
 
     @classmethod
     def from_path(cls, path, device: str | None = None, dtype: str | None = None, **kwargs) -> "Engine":
@@ -214,7 +221,7 @@ class Engine:
         return future.result()
 
     def stats(self) -> EngineStats:
-        return EngineStats(**self._counters)
+        return EngineStats(**self._counters, queue_wait_counts=tuple(self._queue_wait_counts))
 
     # ---- the loop ----
 
@@ -331,11 +338,13 @@ class Engine:
         with self._queue_mutex:
             self.scheduler.remove_all([request for request, _, _ in outcomes])
         kvfs = self.kvfs
-        started, waited = 0, 0.0
+        started, waited, counts = 0, 0.0, self._queue_wait_counts
         for request, _, _ in outcomes:
             if request.started_at is not None:
                 started += 1
-                waited += request.started_at - request.submitted_at
+                wait = request.started_at - request.submitted_at
+                waited += wait
+                counts[_bucket_of(QUEUE_WAIT_BUCKETS_S, wait)] += 1
         with kvfs.lock:
             # A failed pred leaves its file as it was: the chunks it appended are undone.
             kvfs.end_preds([(request.file, error is not None, request.length_before) for request, _, error in outcomes],

@@ -9,7 +9,7 @@ schedulers (the runtime's workers and batch driver) and this HTTP + WebSocket AP
                                     {"type": "input", "data": b}, "close_input", "detach" or "kill"
     GET    /kv[?prefix=P]           the tenant's KV files;  DELETE /kv/{path};  POST /kv/share
     GET    /v1/models, POST /v1/completions, /v1/chat/completions
-    GET    /health, /metrics        (Prometheus text)
+    GET    /health, /metrics        (Prometheus, through prometheus_client: metrics.py)
 
 Each resource's routes are a module of routes/; this one builds the app around them: the runtime
 and the state they share (state.py), started and stopped with the app, and the checks every
@@ -33,9 +33,9 @@ from fastapi import FastAPI
 from ..engine.loop import Engine
 from ..lip.runtime import Runtime
 from .builtin_lips import builtin_lip
-from .completion import CompletionCounters
 from .guard import Origins, RequestGuard
 from .logs import event, redact_tokens_in_uvicorn_logs
+from .metrics import CompletionCounters, ServerMetrics
 from .process_table import ProcessTable
 from .program_store import ProgramStore, StoredProgram
 from .routes import kv, observability, openai, processes, programs
@@ -64,12 +64,15 @@ def create_app(engine: Engine, tenants: Tenants | None = None, config: ServerCon
                     engine.kvfs.file_quota[tenant.name] = int(tenant.quotas.max_kv_files)
             completion_path = await asyncio.to_thread(builtin_lip, "complete")
             completion_program = runtime.load(completion_path)
-            table = ProcessTable(runtime, asyncio.get_running_loop(), config.grace_s, config.retention_s)
+            completions = CompletionCounters()
+            metrics = ServerMetrics((config.served_model_names or (engine.loaded.name,))[0], engine, completions)
+            table = ProcessTable(runtime, asyncio.get_running_loop(), config.grace_s, config.retention_s, metrics)
+            metrics.table = table
             app.state.symphony = ServerState(
                 engine, tenants, config, runtime, ProgramStore(runtime.wasm_engine, data_dir, config.compile_time_s), table,
                 completion_program, StoredProgram(completion_program.sha256, "complete (built-in)",
                                                   completion_program.size, time.time()), time.time(),
-                CompletionCounters())
+                completions, metrics)
             reaper = asyncio.create_task(table.reap_forever())
             event(log, "server started", model=engine.loaded.name, tenants=sorted(tenants.by_name),
                   data_dir=str(data_dir))

@@ -83,16 +83,6 @@ def decode_frame(data: bytes, wants_logprobs: bool) -> Event:
 
 
 @dataclass
-class CompletionCounters:
-    """Totals over the OpenAI path, for /metrics."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-
-
-@dataclass
 class BranchText:
     """The text of one branch as tokens arrive. `add` returns what may be streamed now: all of
     the text but a possibly incomplete last character and, with stop strings, nothing from a
@@ -168,7 +158,7 @@ async def run_completion(table: ProcessTable, program: Program, entry: StoredPro
     the tenant's quotas and is killed if the caller goes away) and yield its events."""
     payload = request.encode()  # before the process starts: nothing to clean up if it fails
     # Its frames are bounded by the request (n * max_tokens tokens), and none may be dropped.
-    record = table.launch(tenant, program, entry, [], {}, buffer_bytes=None)
+    record = table.launch(tenant, program, entry, [], {}, buffer_bytes=None, measured=False)  # measured as a request
     frames = table.attach(record)
     wants_logprobs = request.logprobs is not None
     try:

@@ -24,10 +24,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..lip.process import Process
+from ..lip.process import Process, ProcessState
 from ..lip.runtime import Runtime
 from ..wasm.program import Program
 from .logs import event
+from .metrics import PROCESS, RequestTimer, ServerMetrics
 from .program_store import StoredProgram
 from .tenants import QuotaExceeded, Tenant
 
@@ -118,6 +119,7 @@ class ServedProcess:
     exit_frame: dict[str, Any] | None = None
     exit_delivered: bool = False
     log_tail: str = ""
+    timer: RequestTimer | None = None  # its times, for the metrics
 
     @property
     def running(self) -> bool:
@@ -134,8 +136,9 @@ class ServedProcess:
 
 class ProcessTable:
     def __init__(self, runtime: Runtime, loop: asyncio.AbstractEventLoop, grace_s: float = 30.0,
-                 retention_s: float = 600.0):
+                 retention_s: float = 600.0, metrics: ServerMetrics | None = None):
         self.runtime = runtime
+        self.metrics = metrics  # processes' times go there (ServerMetrics.request)
         self.loop = loop
         self.grace_s = grace_s
         self.retention_s = retention_s
@@ -148,17 +151,21 @@ class ProcessTable:
     # ---- launching and finding ----
 
     def launch(self, tenant: Tenant, program: Program, stored: StoredProgram, args: list[str],
-               env: dict[str, str], detached: bool = False, buffer_bytes: int | None = BUFFER_BYTES) -> ServedProcess:
+               env: dict[str, str], detached: bool = False, buffer_bytes: int | None = BUFFER_BYTES,
+               measured: bool = True) -> ServedProcess:
         """Start a process of `program` for `tenant` (raises QuotaExceeded). `buffer_bytes`
         bounds its frames waiting for a client (None: unbounded, for a caller that bounds them
-        itself)."""
+        itself). `measured`: its times go to the metrics as a process's (a caller that measures
+        it as something else says False)."""
         self.check_process_quota(tenant)
         pid = self._last_pid.get(tenant.name, 0) + 1
         record = ServedProcess(pid, tenant, stored, list(args), detached, frames=FrameBuffer(buffer_bytes))
+        if measured and self.metrics is not None:
+            record.timer = self.metrics.request(PROCESS)
         hop = self.loop.call_soon_threadsafe
         record.process = self.runtime.spawn(
             program, args, env, tenant=tenant.name, limits=tenant.quotas.process_limits(self.runtime.limits),
-            on_output=lambda data: hop(self._push, record, {"type": "output", "data": data}),
+            on_output=lambda data: hop(self._on_output, record, data),
             on_log=lambda text: hop(self._on_log, record, text),
             on_exit=lambda process: hop(self._on_exit, record))
         self._last_pid[tenant.name] = pid
@@ -222,6 +229,11 @@ class ProcessTable:
     def _push(self, record: ServedProcess, frame: dict) -> None:
         record.frames.push(frame)
 
+    def _on_output(self, record: ServedProcess, data: bytes) -> None:
+        if record.timer is not None:
+            record.timer.token()
+        record.frames.push({"type": "output", "data": data})
+
     def _on_log(self, record: ServedProcess, text: str) -> None:
         record.log_tail = (record.log_tail + text[-LOG_TAIL_CHARS:])[-LOG_TAIL_CHARS:]
         self._push(record, {"type": "log", "text": text})
@@ -234,6 +246,9 @@ class ProcessTable:
               code=process.exit_code, reason=process.end_reason, cpu_time_s=round(process.cpu_time_s, 4))
         record.exit_frame = {"type": "exit", "code": process.exit_code, "state": process.state.value,
                              "reason": process.end_reason}
+        if record.timer is not None:
+            record.timer.finish("killed" if process.state is ProcessState.KILLED else
+                                "exited" if process.exit_code == 0 else "failed")
         self._push(record, record.exit_frame)
         self._forget_oldest_ended(record)
 

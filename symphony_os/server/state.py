@@ -13,8 +13,8 @@ from ..engine.loop import Engine
 from ..lip.limits import ProcessLimits
 from ..lip.runtime import Runtime
 from ..wasm.program import MAX_MODULE_BYTES, Program
-from .completion import CompletionCounters
 from .guard import bearer_token
+from .metrics import CompletionCounters, ServerMetrics
 from .process_table import ProcessTable
 from .program_store import ProgramStore, StoredProgram
 from .tenants import Tenant, Tenants
@@ -59,6 +59,7 @@ class ServerState:
     completion_entry: StoredProgram
     started_at: float
     completions: CompletionCounters
+    metrics: ServerMetrics
     # Uploads compiling at once (each takes a thread and a CPU core); more wait their turn, and
     # a tenant compiles one at a time (its queue of slow modules would hold every slot).
     compiles: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_CONCURRENT_COMPILES))

@@ -1,15 +1,15 @@
 """For probes and scrapers, without a token: server-wide totals only, nothing per tenant.
 
-    GET    /health, /metrics        (Prometheus text)
+    GET    /health, /metrics        (Prometheus: metrics.py)
 """
 from __future__ import annotations
 
 import time
 
 from fastapi import APIRouter
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response
 
-from ..metrics import render_metrics
+from ..metrics import CONTENT_TYPE
 from ..state import StateDep
 
 router = APIRouter(tags=["observability"])
@@ -24,5 +24,5 @@ async def health(state: StateDep) -> dict:
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
-async def metrics(state: StateDep) -> PlainTextResponse:
-    return PlainTextResponse(render_metrics(state), media_type="text/plain; version=0.0.4")
+async def metrics(state: StateDep) -> Response:
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..completion import (MAX_BRANCHES, MAX_STOPS, MAX_TOP_LOGPROBS, BranchText, CompletionFailed, CompletionRequest,
                          FinishEvent, PromptInfo, TokenEvent, run_completion)
+from ..metrics import OPENAI
 from ..state import ServerState, tenant_of
 from ..tenants import QuotaExceeded, Tenant
 
@@ -208,22 +209,34 @@ class Choices:
         counters = self.state.completions
         counters.requests += 1
         state = self.state
-        async for item in run_completion(state.table, state.completion_program, state.completion_entry, tenant,
-                                         self.request):
-            if isinstance(item, PromptInfo):
-                self.info = item
-                counters.prompt_tokens += item.prompt_tokens
-                counters.cached_tokens += item.cached_tokens
-                yield 0, "", [], None
-            elif isinstance(item, TokenEvent):
-                self.completion_tokens += 1
-                counters.completion_tokens += 1
-                new = [item] if self.request.logprobs is not None else []
-                self.logprobs[item.branch] += new
-                yield item.branch, self.texts[item.branch].add(item.token), new, None
-            elif isinstance(item, FinishEvent):
-                self.finish_reasons[item.branch] = item.reason
-                yield item.branch, self.texts[item.branch].finish(item.text_end), [], item.reason
+        metrics = state.metrics
+        timer, reason = metrics.request(OPENAI), "error"
+        try:
+            async for item in run_completion(state.table, state.completion_program, state.completion_entry, tenant,
+                                             self.request):
+                if isinstance(item, PromptInfo):
+                    self.info = item
+                    counters.prompt_tokens += item.prompt_tokens
+                    counters.cached_tokens += item.cached_tokens
+                    metrics.prompt(item.prompt_tokens, item.cached_tokens)
+                    yield 0, "", [], None
+                elif isinstance(item, TokenEvent):
+                    self.completion_tokens += 1
+                    counters.completion_tokens += 1
+                    timer.token(item.branch)
+                    metrics.generated()
+                    new = [item] if self.request.logprobs is not None else []
+                    self.logprobs[item.branch] += new
+                    yield item.branch, self.texts[item.branch].add(item.token), new, None
+                elif isinstance(item, FinishEvent):
+                    self.finish_reasons[item.branch] = item.reason
+                    yield item.branch, self.texts[item.branch].finish(item.text_end), [], item.reason
+            reason = "length" if "length" in self.finish_reasons else "stop"
+        except (GeneratorExit, asyncio.CancelledError):  # the client went away
+            reason = "abort"
+            raise
+        finally:
+            timer.finish(reason)
 
     def _alternative_texts(self, branch: int, index: int, tokens: list[int]) -> list[str]:
         """The text each of `tokens` would add at `index` of the branch: decoded after the token
