@@ -10,9 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..errors import PoolExhausted
+
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,16 @@ class HostPage:
         self.v = v
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """A zeroed pool tensor. On the host through numpy, whose zeros come from calloc: the
+    operating system's zero pages, mapped as they are first written (torch writes every byte
+    first: 0.12 s per 256 MiB here, all of it resident at once, for a pool mostly unused)."""
+    host = _NUMPY_DTYPES.get(dtype)
+    if torch.device(device).type == "cpu" and host is not None:
+        return torch.from_numpy(np.zeros(shape, dtype=host))
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class KVPool:
     """Fixed-size pages of K/V with reference counts.
 
@@ -60,8 +73,8 @@ class KVPool:
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = _zeros(shape, dtype, device)
+        self.v = _zeros(shape, dtype, device)
         self.page_size = page_size
         self.num_pages = num_pages
         self.device = torch.device(device)
