@@ -6,6 +6,7 @@ import functools
 import logging
 import math
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,20 +85,31 @@ def _engine_options(func):
 
 def _make_engine(options: EngineOptions, model_path: str | None = None, seed: int = 0):
     """The engine the options describe (`model_path` in place of theirs, when given)."""
+    import torch
+
     from .engine.loop import Engine
     from .model.loader import ModelLoadError, default_model_path, load_model
 
     try:
+        started = time.perf_counter()
         loaded = load_model(model_path or options.model_path or default_model_path(), dtype=DTYPES[options.dtype],
                             device=options.device)
         context = loaded.config.max_position_embeddings
         if options.max_model_len is not None and options.max_model_len > context:
             raise ValueError(f"--max-model-len must be in [1, {context}] (the model's context), "
                              f"got {options.max_model_len}")
-        return Engine(loaded, page_size=options.page_size, num_pages=options.kv_pages, attention=options.attention,
-                      max_model_len=options.max_model_len, max_batch_size=options.max_num_seqs,
-                      token_budget=options.max_num_batched_tokens, seed=seed,
-                      memory_utilization=options.gpu_memory_utilization)
+        engine = Engine(loaded, page_size=options.page_size, num_pages=options.kv_pages, attention=options.attention,
+                        max_model_len=options.max_model_len, max_batch_size=options.max_num_seqs,
+                        token_budget=options.max_num_batched_tokens, seed=seed,
+                        memory_utilization=options.gpu_memory_utilization)
+        pool = engine.pool.stats()
+        weights = loaded.config.num_params * torch.empty((), dtype=loaded.model.dtype).element_size()
+        logging.getLogger("symphony.model").info(
+            "model loaded", extra={"fields": dict(
+                model=loaded.name, path=str(loaded.path), load_s=round(time.perf_counter() - started, 3),
+                weights_mib=round(weights / 2**20, 1), device=str(loaded.model.device),
+                kv_pool_pages=pool.total, kv_pool_mib=round(pool.total * pool.bytes_per_page / 2**20, 1))})
+        return engine
     except (ModelLoadError, ValueError) as error:
         raise click.ClickException(str(error)) from error
     except RuntimeError as error:  # torch could not allocate the weights or the KV pool
@@ -336,11 +348,11 @@ def serve(model, engine_options, host, port, served_model_names, api_key, seed, 
                    "reach the port may run programs, with no token and no quotas (requests must name this server "
                    f"by {names} or an --allowed-host)", err=True)
     listener = _listen(host, port)  # before the model loads: a busy port fails at once
+    logs.configure(log_level)  # the model's load is logged too
     engine = _make_engine(engine_options, model, seed)
     config = ServerConfig(grace_s=grace_s, data_dir=Path(data_dir) if data_dir else None, workers=workers,
                           bind_host=host, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins,
                           served_model_names=tuple(served_model_names))
-    logs.configure(log_level)
     server = uvicorn.Server(uvicorn.Config(create_app(engine, tenants, config), host=host, port=port, log_config=None,
                                            log_level=log_level))
     bound = listener.getsockname()[1]
