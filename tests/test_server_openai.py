@@ -90,6 +90,40 @@ def test_a_streamed_request_is_measured_in_vllms_metrics(served, api):
     assert count(after, "vllm:prefix_cache_queries_total") - count(before, "vllm:prefix_cache_queries_total") == prompt
 
 
+@pytest.mark.parametrize("params, named", [
+    (dict(response_format={"type": "json_object"}), "response_format"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+     "response_format"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]), "tools"),
+    (dict(tool_choice="required"), "tool_choice"),
+    (dict(logit_bias={"5": 10}), "logit_bias"),
+    (dict(presence_penalty=0.5), "presence_penalty"),
+    (dict(frequency_penalty=-1.0), "frequency_penalty"),
+    (dict(extra_body={"top_k": 5}), "top_k"),
+    (dict(extra_body={"repetition_penalty": 1.2}), "repetition_penalty"),
+    (dict(extra_body={"guided_json": {"type": "object"}}), "guided_json"),
+    (dict(extra_body={"ignore_eos": True}), "ignore_eos"),
+    (dict(extra_body={"no_such_parameter": 1}), "no_such_parameter"),
+    (dict(messages=[{"role": "user", "content": "hi", "tool_call_id": "x"}]), "messages.0.tool_call_id"),
+])
+def test_a_parameter_the_server_would_ignore_is_a_400_naming_it(api, params, named):
+    """The endpoint never drops a parameter silently (an agent that sends `tools` must not get
+    prose back): what it does not act on is refused, unless given at the value that asks for
+    nothing."""
+    arguments = dict(model="stories260K", messages=[{"role": "user", "content": "Hello"}], max_tokens=4) | params
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(**arguments)
+    assert refused.value.body["param"] == named and named.rpartition(".")[2] in refused.value.body["message"]
+
+
+def test_neutral_values_of_unsupported_parameters_are_taken(api):
+    answer = api.chat.completions.create(
+        model="stories260K", messages=[{"role": "user", "content": "Hello", "name": "tim"}], max_tokens=4,
+        presence_penalty=0, frequency_penalty=0.0, logit_bias={}, response_format={"type": "text"}, user="u-1",
+        extra_body={"top_k": -1, "min_p": 0, "repetition_penalty": 1.0, "ignore_eos": False})
+    assert answer.choices[0].message.content is not None
+
+
 def test_stop_n_seed_and_logprobs(api):
     greedy = api.completions.create(model="stories260K", prompt=PROMPT, max_tokens=30, temperature=0).choices[0].text
     stop = greedy.split()[4]

@@ -47,6 +47,44 @@ class OpenAIError(Exception):
                                        "code": self.code}}, status_code=self.status)
 
 
+# Parameters of OpenAI's and vLLM's APIs that this server does not act on, taken only at the value
+# that asks for nothing, so that none is ever dropped silently: any other value is a 400 naming
+# the parameter, as is a parameter that is neither here nor a field of the request's model.
+# `user` (an end-user id for the provider's abuse monitoring) is taken as anything: it asks
+# nothing of the answer.
+NEUTRAL_VALUES: dict[str, tuple] = {
+    "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),
+    "top_k": (None, 0, -1), "min_p": (None, 0), "ignore_eos": (None, False), "min_tokens": (None, 0),
+    "store": (None, False), "modalities": (None, ["text"]), "service_tier": (None, "auto", "default"),
+    "metadata": (None, {}), "prediction": (None,), "audio": (None,), "reasoning_effort": (None,),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "continue_final_message": (None, False), "add_generation_prompt": (None, True),
+}
+ANY_VALUE = frozenset({"user"})
+MESSAGE_FIELDS = frozenset({"role", "content", "name"})  # `name` goes to the chat template with the message
+
+
+def _refuse_unsupported(body: BaseModel) -> None:
+    """The 400 for the first parameter this server would otherwise ignore (NEUTRAL_VALUES)."""
+    for name, value in (body.model_extra or {}).items():
+        if name in ANY_VALUE:
+            continue
+        neutral = NEUTRAL_VALUES.get(name)
+        if neutral is None:
+            raise OpenAIError(400, f"unrecognized request argument: {name}", param=name)
+        if not any(value == taken and type(value) is not bool or value is taken for taken in neutral):
+            accepted = " or ".join(json.dumps(v) for v in neutral)
+            raise OpenAIError(400, f"{name} is not supported by this server (it takes only {accepted})", param=name)
+    for index, message in enumerate(getattr(body, "messages", None) or ()):
+        unknown = sorted(set(message.model_extra or {}) - MESSAGE_FIELDS)
+        if unknown:
+            raise OpenAIError(400, f"messages[{index}].{unknown[0]} is not supported by this server",
+                              param=f"messages.{index}.{unknown[0]}")
+
+
 class SamplingBody(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str
@@ -84,7 +122,7 @@ async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
     try:
         data = json.loads(body)
         _check_encodable(data)
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except ValueError as error:  # JSON decoding and pydantic's ValidationError
         if isinstance(error, ValidationError):
             first = error.errors()[0]
@@ -93,6 +131,8 @@ async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
         raise OpenAIError(400, "the body is not valid JSON") from None
     except RecursionError:
         raise OpenAIError(400, "the body is not valid JSON: nested too deep") from None
+    _refuse_unsupported(body)
+    return body
 
 
 def _check_encodable(data: Any) -> None:
@@ -173,7 +213,8 @@ def _chat_prompt(state: ServerState, body: ChatBody) -> list[int]:
             if any(part.get("type") != "text" for part in content):
                 raise OpenAIError(400, "only text content parts are supported", param="messages")
             content = "".join(str(part.get("text", "")) for part in content)
-        messages.append({"role": message.role, "content": content or ""})
+        name = (message.model_extra or {}).get("name")
+        messages.append({"role": message.role, "content": content or ""} | ({"name": name} if name else {}))
     tokenizer = state.engine.loaded.tokenizer
     template = tokenizer.chat_template or FALLBACK_CHAT_TEMPLATE
     try:
