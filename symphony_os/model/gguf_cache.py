@@ -5,6 +5,7 @@ directory (config.json, model.safetensors, the tokenizer's files) in a few secon
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -16,22 +17,53 @@ from safetensors.torch import save_file
 
 from ..cache import cache_root
 
-ROPE_FREQS = "rope_freqs.pt"  # llama.cpp's per-frequency RoPE factors, when the file has them
+ROPE_FREQS = "rope_freqs.pt"
+DIGESTS = "digests.json"  # (path, size, modification time) -> the file's sha256  # llama.cpp's per-frequency RoPE factors, when the file has them
 log = logging.getLogger("symphony.model")
 
 
 def converted_dir(path: Path) -> Path | None:
     """Where the converted model of the GGUF file at `path` is kept (whether or not it is there
-    yet): named by the sha256 of the file's bytes. None when there is no cache (no home)."""
+    yet): named by the sha256 of the file's bytes. None when there is no cache (no home). The
+    digest is remembered per (path, size, modification time) in `digests.json`: a 4 GB file
+    takes ~8 s to hash, every load."""
     try:
         root = cache_root() / "models"
     except RuntimeError:
         return None
+    return root / f"{path.stem}-{_digest(root / DIGESTS, path)[:32]}"
+
+
+def _digest(index_path: Path, path: Path) -> str:
+    status = path.stat()
+    key = f"{path.resolve()}|{status.st_size}|{status.st_mtime_ns}"
+    try:
+        index = json.loads(index_path.read_text())
+        if not isinstance(index, dict):
+            index = {}
+    except (OSError, ValueError):
+        index = {}
+    digest = index.get(key)
+    if isinstance(digest, str) and len(digest) == 64:
+        return digest
+    digest = file_sha256(path)
+    index[key] = digest
+    try:  # a new index beside the old, renamed over it: a reader sees one or the other
+        index_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        staging = index_path.with_name(f".{index_path.name}-{os.getpid()}")
+        staging.write_text(json.dumps(index))
+        os.replace(staging, index_path)
+    except OSError as error:
+        log.warning("cannot remember the digest of %s: %s", path, error)
+    return digest
+
+
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as file:
         while chunk := file.read(1 << 22):
             digest.update(chunk)
-    return root / f"{path.stem}-{digest.hexdigest()[:32]}"
+    return digest.hexdigest()
 
 
 def rope_freqs_of(directory: Path) -> torch.Tensor | None:
