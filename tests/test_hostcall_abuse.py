@@ -58,6 +58,12 @@ CASES = [
     ("detokenize", [NEG, 2, 0, 0], E.BAD_POINTER), ("detokenize", [GOOD_IDS, NEG, 0, 0], E.INVALID_ARGUMENT),
     ("detokenize", [GOOD_IDS, HUGE, 0, 0], E.INVALID_ARGUMENT), ("detokenize", [BAD_IDS, 1, 0, 0], E.INVALID_ARGUMENT),
     ("detokenize", [GOOD_IDS, 1, OOB, 100], E.BAD_POINTER),
+    ("chat_template", [OOB, 10, 1, RESULTS, 100], E.BAD_POINTER),
+    ("chat_template", [TEXT, NEG, 1, RESULTS, 100], E.INVALID_ARGUMENT),
+    ("chat_template", [TEXT, HUGE, 1, RESULTS, 100], E.INVALID_ARGUMENT),
+    ("chat_template", [TEXT, 3, 1, OOB, 100], E.BAD_POINTER), ("chat_template", [TEXT, 3, 7, 0, 0], E.INVALID_ARGUMENT),
+    ("chat_template", [TEXT, 3, 1, RESULTS, NEG], E.INVALID_ARGUMENT),
+    ("chat_template", [TEXT, 3, 1, RESULTS, 100], E.INVALID_ARGUMENT),  # not JSON messages
     ("eos_ids", [NEG, 4], E.BAD_POINTER), ("eos_ids", [0, NEG], E.INVALID_ARGUMENT),
     ("model_name", [OOB, 100], E.BAD_POINTER),
     ("pred_submit", [77, GOOD_IDS, 0, 1, 0, 0], E.BAD_HANDLE),

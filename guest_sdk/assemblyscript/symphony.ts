@@ -20,6 +20,7 @@
 @external("symphony", "model_name") export declare function model_name(out_ptr: usize, cap: i32): i32;
 @external("symphony", "tokenize") export declare function tokenize(text_ptr: usize, text_len: i32, flags: i32, out_ptr: usize, cap: i32): i32;
 @external("symphony", "detokenize") export declare function detokenize(ids_ptr: usize, n: i32, out_ptr: usize, cap: i32): i32;
+@external("symphony", "chat_template") export declare function chat_template(messages_ptr: usize, messages_len: i32, flags: i32, out_ptr: usize, cap: i32): i32;
 @external("symphony", "kv_create") export declare function kv_create(): i32;
 @external("symphony", "kv_open") export declare function kv_open(path_ptr: usize, path_len: i32, flags: i32): i32;
 @external("symphony", "kv_fork") export declare function kv_fork(kv: i32): i32;
@@ -174,6 +175,20 @@ export function detokenizeIds(ids: Int32Array): string {
   if (n > out.byteLength) {
     out = new ArrayBuffer(n);
     n = check(detokenize(ids.dataStart, ids.length, changetype<usize>(out), out.byteLength), "detokenize");
+  }
+  return String.UTF8.decodeUnsafe(changetype<usize>(out), n);
+}
+
+/** The conversation (a JSON list of {"role": ..., "content": ...}) rendered with the model's own
+ * chat template, ending with the start of the assistant's turn. Tokenize it with
+ * tokenizeText(text, false): the template writes its own special tokens. */
+export function chatTemplate(messagesJson: string): string {
+  const data = String.UTF8.encode(messagesJson);
+  let out = new ArrayBuffer(1024);
+  let n = check(chat_template(changetype<usize>(data), data.byteLength, 1, changetype<usize>(out), out.byteLength), "chat_template");
+  if (n > out.byteLength) {
+    out = new ArrayBuffer(n);
+    n = check(chat_template(changetype<usize>(data), data.byteLength, 1, changetype<usize>(out), out.byteLength), "chat_template");
   }
   return String.UTF8.decodeUnsafe(changetype<usize>(out), n);
 }

@@ -80,6 +80,8 @@ SYM_IMPORT(bos_id) int32_t __sym_bos_id(void);
 SYM_IMPORT(model_name) int32_t __sym_model_name(char *out, int32_t cap);
 SYM_IMPORT(tokenize) int32_t __sym_tokenize(const char *text, int32_t len, int32_t flags, int32_t *out, int32_t cap);
 SYM_IMPORT(detokenize) int32_t __sym_detokenize(const int32_t *ids, int32_t n, char *out, int32_t cap);
+SYM_IMPORT(chat_template) int32_t __sym_chat_template(const char *messages, int32_t messages_len, int32_t flags, char *out,
+                                                     int32_t cap);
 SYM_IMPORT(kv_create) int32_t __sym_kv_create(void);
 SYM_IMPORT(kv_open) int32_t __sym_kv_open(const char *path, int32_t len, int32_t flags);
 SYM_IMPORT(kv_fork) int32_t __sym_kv_fork(int32_t kv);
@@ -132,6 +134,13 @@ static inline int sym_tokenize(const char *text, int32_t *out, int cap) { return
 /* Tokenize with the model's special tokens (BOS), as a prompt's start. */
 static inline int sym_tokenize_prompt(const char *text, int32_t *out, int cap) { return __sym_tokenize(text, (int32_t)strlen(text), 1, out, cap); }
 static inline int sym_detokenize(const int32_t *ids, int n, char *out, int cap) { return __sym_detokenize(ids, n, out, cap); }
+/* The conversation `messages_json` (a JSON list of {"role": ..., "content": ...}) rendered with
+   the model's own chat template, ending with the start of the assistant's turn: the full length
+   in bytes (at most `cap` written), or a negative error (SYM_ERR_UNSUPPORTED: no template).
+   Tokenize the text with sym_tokenize (no BOS): the template writes its own special tokens. */
+static inline int sym_chat_template(const char *messages_json, char *out, int cap) {
+    return __sym_chat_template(messages_json, (int32_t)strlen(messages_json), 1, out, cap);
+}
 /* For streaming: the bytes of decoded text `text[0..len)` that are settled. A character whose
    tokens have not all come yet decodes as U+FFFD (EF BF BD), one per byte so far, and becomes
    itself once complete: hold such a tail back until it does. */

@@ -92,6 +92,13 @@ def detokenize(ids: list[int]) -> str:
     return _check(tokens.detokenize, list(ids))
 
 
+def chat_template(messages: list[tuple[str, str]], add_generation_prompt: bool = True) -> str:
+    """The conversation, (role, content) pairs, rendered with the model's own chat template
+    (ending with the start of the assistant's turn). Tokenize it with `tokenize(text, False)`:
+    the template writes its own special tokens."""
+    return _check(tokens.chat_template, [(role, content) for role, content in messages], add_generation_prompt)
+
+
 # ---- what a pred answers ----
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ pub mod sys {
         pub fn model_name(out_ptr: *mut u8, cap: i32) -> i32;
         pub fn tokenize(text_ptr: *const u8, text_len: i32, flags: i32, out_ptr: *mut i32, cap: i32) -> i32;
         pub fn detokenize(ids_ptr: *const i32, n: i32, out_ptr: *mut u8, cap: i32) -> i32;
+        pub fn chat_template(messages_ptr: *const u8, messages_len: i32, flags: i32, out_ptr: *mut u8, cap: i32) -> i32;
         pub fn kv_create() -> i32;
         pub fn kv_open(path_ptr: *const u8, path_len: i32, flags: i32) -> i32;
         pub fn kv_fork(kv: i32) -> i32;
@@ -142,6 +143,15 @@ pub fn tokenize(text: &str, prompt: bool) -> Result<Vec<u32>> {
 
 pub fn detokenize(ids: &[u32]) -> Result<String> {
     read_text(|out, cap| unsafe { sys::detokenize(ids.as_ptr() as *const i32, ids.len() as i32, out, cap) })
+}
+
+/// The conversation (`messages_json`: a JSON list of {"role": ..., "content": ...}) rendered with
+/// the model's own chat template, ending with the start of the assistant's turn. Tokenize it
+/// with `tokenize` (no BOS): the template writes its own special tokens.
+pub fn chat_template(messages_json: &str) -> Result<String> {
+    read_text(|out, cap| unsafe {
+        sys::chat_template(messages_json.as_ptr(), messages_json.len() as i32, 1, out, cap)
+    })
 }
 
 /// Calls a host function that writes up to `cap` bytes and returns the full length.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import InvalidArgument, PoolExhausted
+from ..errors import InvalidArgument, PoolExhausted, Unsupported
 from ..kv.kvfs import KVFS, KvSession
 from ..kv.pool import KVPool
 from ..model.attention import select_backend
@@ -150,6 +150,18 @@ class Engine:
 
     def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The messages rendered with the model's own chat template (transformers' sandboxed
+        Jinja); Unsupported when the model has none, InvalidArgument when the template refuses
+        them (roles out of order, say)."""
+        tokenizer = self.loaded.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise Unsupported("the model has no chat template")
+        try:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        except Exception as error:  # the template's own complaints (raise_exception), or a broken template
+            raise InvalidArgument(f"the chat template refused the messages: {error}") from None
 
     def tokenize_later(self, text: str, add_special_tokens: bool = True) -> PredFuture:
         """`tokenize` on the engine's tokenizer thread: a future of (token ids, the thread's CPU

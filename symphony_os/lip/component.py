@@ -99,6 +99,9 @@ class ComponentCalls:
     def detokenize(self, ids: list[int]) -> str:
         return self.calls.detokenize(ids)
 
+    def chat_template(self, messages: list[tuple[str, str]], add_generation_prompt: bool) -> str:
+        return self.calls.chat_template(list(messages), add_generation_prompt)
+
     # KV files
     def kv_create(self) -> int:
         return self.calls.kv_create()
@@ -249,7 +252,8 @@ INTERFACES: dict[str, dict[str, tuple[Callable, bool]]] = {
     "errors": {},
     "model": {"vocab-size": (ComponentCalls.vocab_size, False), "eos-ids": (ComponentCalls.eos_ids, False),
               "bos-id": (ComponentCalls.bos_id, False), "model-name": (ComponentCalls.model_name, False)},
-    "tokens": {"tokenize": (ComponentCalls.tokenize, True), "detokenize": (ComponentCalls.detokenize, False)},
+    "tokens": {"tokenize": (ComponentCalls.tokenize, True), "detokenize": (ComponentCalls.detokenize, False),
+               "chat-template": (ComponentCalls.chat_template, False)},
     "kv": {name.replace("_", "-"): (getattr(ComponentCalls, name), False) for name in (
         "kv_create", "kv_open", "kv_fork", "kv_extract", "kv_merge", "kv_len", "kv_truncate", "kv_close",
         "kv_remove", "kv_hint", "kv_open_prefix", "kv_cache_prefix")},

@@ -10,6 +10,7 @@ call through `SystemCalls.dispatch`).
 """
 from __future__ import annotations
 
+import json
 import os
 import struct
 import time
@@ -112,6 +113,22 @@ class CoreCalls:
             outcome.encode = write
             return outcome
         return write(mem, outcome)
+
+    def chat_template(self, mem: GuestMemory, messages_ptr: int, messages_len: int, flags: int, out_ptr: int,
+                      cap: int) -> int:
+        if not 0 <= messages_len <= MAX_TEXT_BYTES or flags not in (0, 1) or cap < 0:
+            raise InvalidArgument("chat-template: messages length, flags or cap out of range")
+        mem.check(out_ptr, cap)
+        try:
+            data = json.loads(mem.read_str(messages_ptr, messages_len))
+        except (ValueError, RecursionError):
+            data = None
+        if not isinstance(data, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in data):
+            raise InvalidArgument('chat-template: messages are JSON, a list of {"role": ..., "content": ...} strings')
+        text = self.calls.chat_template([(m["role"], m["content"]) for m in data], bool(flags & 1))
+        return _write_text(mem, text.encode(), out_ptr, cap)
 
     def detokenize(self, mem: GuestMemory, ids_ptr: int, n: int, out_ptr: int, cap: int) -> int:
         if not 0 <= n <= MAX_TOKENS_PER_PRED or cap < 0:

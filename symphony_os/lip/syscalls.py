@@ -25,6 +25,7 @@ log = logging.getLogger("symphony.syscalls")
 
 MAX_TOKENS_PER_PRED = 1 << 16
 MAX_TEXT_BYTES = 1 << 20
+MAX_CHAT_MESSAGES = 4096  # of one chat-template call
 MAX_PATH_BYTES = 1024  # KVFS names are at most 255 bytes: longer ones are refused there, with the reason
 # Longer texts are tokenized on the engine's tokenizer thread while their process waits: a MiB
 # held the worker, and every process it runs, for 0.5-1.7 s. Shorter ones (~10 ms) are done inline.
@@ -138,6 +139,17 @@ class SystemCalls:
         ids, cpu_time_s = future.result()
         self.process.cpu_time_s += cpu_time_s
         return ids
+
+    def chat_template(self, messages: list[tuple[str, str]], add_generation_prompt: bool) -> str:
+        """The conversation, (role, content) pairs, in the model's chat template."""
+        if len(messages) > MAX_CHAT_MESSAGES:
+            raise InvalidArgument(f"chat-template takes at most {MAX_CHAT_MESSAGES} messages")
+        if sum(len(role) + len(content) for role, content in messages) > MAX_TEXT_BYTES:
+            raise InvalidArgument(f"chat-template takes at most {MAX_TEXT_BYTES} bytes of messages")
+        if any(not role for role, _ in messages):
+            raise InvalidArgument("a message's role must not be empty")
+        return self.engine.chat_template([{"role": role, "content": content} for role, content in messages],
+                                         add_generation_prompt)
 
     def detokenize(self, ids: list[int]) -> str:
         vocab = self.engine.loaded.config.vocab_size

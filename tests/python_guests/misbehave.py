@@ -9,7 +9,9 @@ Usage: misbehave MODE
   stream TEXT - sends TEXT's tokens through TextStream, one token at a time (stream-ids: ids a,b,c)
   exit [CODE|MESSAGE] - sys.exit() with nothing, a code or a message
   tokenize N - sends how many ids N repeats of "a b " tokenize to (a long text waits off the worker)
-  recurse - recurses without end in C (repr of a deeply nested list): the wasm stack overflows"""
+  recurse - recurses without end in C (repr of a deeply nested list): the wasm stack overflows
+  chat ROLE CONTENT ... - sends the pairs rendered with the model's chat template (its error's
+            name if it refuses)"""
 import sys
 import time
 
@@ -136,6 +138,12 @@ def main(args: list[str]) -> int:
         for _ in range(10**6):
             nested = [nested]
         symphony.send(f"{len(repr(nested))}\n")
+    elif mode == "chat":
+        pairs = list(zip(args[1::2], args[2::2]))
+        try:
+            symphony.send(symphony.chat_template(pairs))
+        except symphony.SymphonyError as error:
+            symphony.send(type(error).__name__)
     elif mode == "sleep":
         symphony.send("sleeping\n")
         time.sleep(0.01)
