@@ -382,3 +382,27 @@ def test_a_stream_starts_before_the_prompts_forward_pass(served, monkeypatch):
         gate.set()
         rest = [line for line in lines if line]
     assert rest[-1] == "data: [DONE]" and any('"content"' in line for line in rest[:-1])
+
+
+def test_tokenize_detokenize_version_and_unknown_routes(served, api):
+    """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize, /version
+    without a token, and an unknown /v1 route answered in OpenAI's shape."""
+    headers = {"Authorization": f"Bearer {TOKENS['alice']}"}
+    prompt = served.engine.tokenize("Once upon a time")
+    answer = httpx.post(served.url + "/tokenize", json={"model": "stories260K", "prompt": "Once upon a time"},
+                        headers=headers).json()
+    assert answer == {"count": len(prompt), "max_model_len": served.engine.max_model_len, "tokens": prompt}
+    chat = httpx.post(served.url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]},
+                      headers=headers).json()
+    streamed = api.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=1)
+    assert chat["count"] == streamed.usage.prompt_tokens
+    assert httpx.post(served.url + "/detokenize", json={"tokens": prompt}, headers=headers).json() == \
+        {"prompt": served.engine.detokenize(prompt)}
+    refused = httpx.post(served.url + "/detokenize", json={"tokens": [10**9]}, headers=headers)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens"
+    assert httpx.post(served.url + "/tokenize", json={"prompt": "x"}).status_code == 401
+    assert httpx.get(served.url + "/version").json()["version"]
+    with pytest.raises(openai.NotFoundError) as missing:
+        api.embeddings.create(model="stories260K", input="hello")
+    assert "/v1/embeddings" in missing.value.body["message"]

@@ -8,7 +8,8 @@ schedulers (the runtime's workers and batch driver) and this HTTP + WebSocket AP
     WS     /processes/{pid}/stream  msgpack frames (process_table.py); the client sends
                                     {"type": "input", "data": b}, "close_input", "detach" or "kill"
     GET    /kv[?prefix=P]           the tenant's KV files;  DELETE /kv/{path};  POST /kv/share
-    GET    /v1/models, POST /v1/completions, /v1/chat/completions
+    GET    /v1/models, POST /v1/completions, /v1/chat/completions, POST /tokenize, /detokenize
+    GET    /version
     GET    /health, /metrics        (Prometheus, through prometheus_client: metrics.py)
 
 Each resource's routes are a module of routes/; this one builds the app around them: the runtime
@@ -86,6 +87,7 @@ def create_app(engine: Engine, tenants: Tenants | None = None, config: ServerCon
                   description="Serve LLM inference programs (WebAssembly LIPs), not prompts.")
     for routes in (programs, processes, kv, observability, openai):
         app.include_router(routes.router)
+    app.include_router(openai.tokens_router)
     checks_origins = tenants.open_access or config.allowed_hosts or config.allowed_origins
     app.add_middleware(RequestGuard, tenants=tenants, origins=Origins.for_server(
         config.bind_host, config.allowed_hosts, config.allowed_origins) if checks_origins else None)

@@ -28,7 +28,8 @@ from urllib.parse import urlsplit
 
 from .tenants import Tenants
 
-PUBLIC_PATHS = frozenset({"/health", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version", "/docs", "/docs/oauth2-redirect", "/redoc",
+                          "/openapi.json"})
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 JSON_BODY_BYTES = 1 * 2**20  # a route's JSON body (launch arguments are at most 64 KiB of text)
 OPENAI_BODY_BYTES = 4 * 2**20  # a completion's: a long prompt, or its token ids
@@ -39,7 +40,12 @@ def body_limit(path: str) -> int | None:
     """The most bytes a request body to `path` may have (None: the route bounds it itself)."""
     if path in STREAMED_BODY_PATHS:
         return None
-    return OPENAI_BODY_BYTES if path.startswith("/v1/") else JSON_BODY_BYTES
+    return OPENAI_BODY_BYTES if openai_path(path) else JSON_BODY_BYTES
+
+
+def openai_path(path: str) -> bool:
+    """Is `path` one of the OpenAI-compatible routes (with vLLM's /tokenize and /detokenize)?"""
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
 
 
 @dataclass(frozen=True)
@@ -156,7 +162,7 @@ async def _refuse(scope, send, status: int, message: str, headers: dict[str, str
         else:  # closed before it was accepted: the server answers 403
             await send({"type": "websocket.close", "code": 1008})
         return
-    if scope.get("path", "").startswith("/v1/"):
+    if openai_path(scope.get("path", "")):
         kind, code = ("authentication_error", "invalid_api_key") if status == 401 else ("invalid_request_error", None)
         payload = {"error": {"message": message, "type": kind, "param": None, "code": code}}
     else:

@@ -1,4 +1,5 @@
-"""OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions.
+"""OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions (any other /v1
+route: a 404 in OpenAI's shape), and vLLM's /tokenize and /detokenize.
 
 Each request runs the built-in `complete` LIP (completion.py) through the same schedulers as
 every other process, with automatic prefix reuse. Chat prompts are rendered with the model's
@@ -28,6 +29,7 @@ from ..state import ServerState, tenant_of
 from ..tenants import QuotaExceeded, Tenant
 
 router = APIRouter(prefix="/v1", tags=["openai"])
+tokens_router = APIRouter(tags=["openai"])  # vLLM's /tokenize and /detokenize, outside /v1 as there
 log = logging.getLogger("symphony.openai")
 
 MAX_COMPLETION_TOKENS = 4096
@@ -117,6 +119,23 @@ class ChatBody(SamplingBody):
     top_logprobs: int | None = None
 
 
+class TokenizeBody(BaseModel):
+    """vLLM's: a prompt, or messages rendered with the chat template first."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as vLLM)
+    add_generation_prompt: bool = True
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[int]
+
+
 async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
     body = await request.body()  # its size bounded already (guard.py)
     try:
@@ -204,10 +223,15 @@ def _as_float32(value: float) -> float:
 
 
 def _chat_prompt(state: ServerState, body: ChatBody) -> list[int]:
-    if not body.messages:
+    return state.engine.tokenize(_chat_text(state, body.messages, True), add_special_tokens=False)
+
+
+def _chat_text(state: ServerState, chat: list[ChatMessage], add_generation_prompt: bool) -> str:
+    """The messages in the model's chat template (FALLBACK_CHAT_TEMPLATE when it has none)."""
+    if not chat:
         raise OpenAIError(400, "messages must not be empty", param="messages")
     messages = []
-    for message in body.messages:
+    for message in chat:
         content = message.content
         if isinstance(content, list):
             if any(part.get("type") != "text" for part in content):
@@ -218,11 +242,10 @@ def _chat_prompt(state: ServerState, body: ChatBody) -> list[int]:
     tokenizer = state.engine.loaded.tokenizer
     template = tokenizer.chat_template or FALLBACK_CHAT_TEMPLATE
     try:
-        text = tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
-                                             tokenize=False)
+        return tokenizer.apply_chat_template(messages, chat_template=template,
+                                             add_generation_prompt=add_generation_prompt, tokenize=False)
     except Exception as error:  # the template's own complaints (roles out of order, ...)
         raise OpenAIError(400, f"the chat template refused the messages: {error}", param="messages") from None
-    return state.engine.tokenize(text, add_special_tokens=False)
 
 
 def _usage(info: PromptInfo | None, completion_tokens: int) -> dict:
@@ -464,3 +487,52 @@ async def chat_completions(request: Request):
         return await _respond(request, body, _sampling(state, body, prompt_ids, max_tokens, top, chat=True),
                               chat=True)
     return await _guarded(handle)
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    names = served_model_names(state)
+    if model is not None and model not in names:
+        raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
+                               f"{' or '.join(map(repr, names))}", param="model", code="model_not_found")
+
+
+@tokens_router.post("/tokenize")
+async def tokenize(request: Request):
+    """The token ids of a prompt, or of messages in the model's chat template (vLLM's /tokenize)."""
+    async def handle():
+        state: ServerState = request.app.state.symphony
+        tenant_of(request)
+        body: TokenizeBody = await _parse(request, TokenizeBody)
+        _check_model(state, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise OpenAIError(400, "give a prompt or messages, not both", param="prompt")
+        if body.messages is not None:
+            text = await asyncio.to_thread(_chat_text, state, body.messages, body.add_generation_prompt)
+            special = bool(body.add_special_tokens)
+        else:
+            text, special = body.prompt, body.add_special_tokens is not False
+        ids = await asyncio.to_thread(state.engine.tokenize, text, special)
+        return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
+    return await _guarded(handle)
+
+
+@tokens_router.post("/detokenize")
+async def detokenize(request: Request):
+    """The text of token ids (vLLM's /detokenize)."""
+    async def handle():
+        state: ServerState = request.app.state.symphony
+        tenant_of(request)
+        body: DetokenizeBody = await _parse(request, DetokenizeBody)
+        _check_model(state, body.model)
+        vocab = state.engine.loaded.config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise OpenAIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": await asyncio.to_thread(state.engine.detokenize, body.tokens)}
+    return await _guarded(handle)
+
+
+@router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+async def no_such_route(request: Request, path: str):
+    """Any other /v1 route: a 404 in OpenAI's shape, which its clients read (embeddings, say)."""
+    return OpenAIError(404, f"this server has no {request.method} /v1/{path}", kind="invalid_request_error",
+                       code="not_found").response()
