@@ -151,15 +151,18 @@ class Engine:
     def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                      default_template: str | None = None) -> str:
         """The messages rendered with the model's own chat template (transformers' sandboxed
-        Jinja); Unsupported when the model has none, InvalidArgument when the template refuses
-        them (roles out of order, say)."""
+        Jinja), or `default_template` for a model without one; Unsupported when there is
+        neither, InvalidArgument when the template refuses them (roles out of order, say)."""
         tokenizer = self.loaded.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        template = getattr(tokenizer, "chat_template", None) or default_template
+        if tokenizer is None or not template:
             raise Unsupported("the model has no chat template")
         try:
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            return tokenizer.apply_chat_template(messages, chat_template=template,
+                                                 add_generation_prompt=add_generation_prompt, tokenize=False)
         except Exception as error:  # the template's own complaints (raise_exception), or a broken template
             raise InvalidArgument(f"the chat template refused the messages: {error}") from None
 

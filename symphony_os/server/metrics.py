@@ -51,7 +51,7 @@ class RequestTimer:
     """One request's (or process's) times, observed as they happen: `token()` at each token
     (of `branch`), `finish(reason)` once."""
 
-    __slots__ = ("metrics", "source", "started", "first_seen", "last", "finished")
+    __slots__ = ("metrics", "source", "started", "first_seen", "last", "finished", "_itl")
 
     def __init__(self, metrics: "ServerMetrics", source: str):
         self.metrics, self.source = metrics, source
@@ -59,16 +59,17 @@ class RequestTimer:
         self.first_seen = False
         self.last: dict[int, float] = {}  # branch -> the time of its last token
         self.finished = False
+        self._itl = metrics.itl.labels(metrics.model_name, source)  # found once, observed every token
 
     def token(self, branch: int = 0) -> None:
         now = time.monotonic()
-        metrics, source = self.metrics, self.source
         if not self.first_seen:
             self.first_seen = True
-            metrics.ttft.labels(metrics.model_name, source).observe(now - self.started)
+            metrics = self.metrics
+            metrics.ttft.labels(metrics.model_name, self.source).observe(now - self.started)
         previous = self.last.get(branch)
         if previous is not None:
-            metrics.itl.labels(metrics.model_name, source).observe(now - previous)
+            self._itl.observe(now - previous)
         self.last[branch] = now
 
     def finish(self, reason: str) -> None:

@@ -22,6 +22,7 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ...errors import InvalidArgument
 from ..completion import (MAX_BRANCHES, MAX_STOPS, MAX_TOP_LOGPROBS, BranchText, CompletionFailed, CompletionRequest,
                          FinishEvent, PromptInfo, TokenEvent, run_completion)
 from ..metrics import OPENAI
@@ -183,10 +184,7 @@ def _sampling(state: ServerState, body: SamplingBody, prompt_ids: list[int], max
               logprobs: int | None, chat: bool) -> CompletionRequest:
     """The request for the `complete` LIP. Without max_tokens a completion gets 16 tokens (as
     OpenAI's legacy endpoint), a chat answer what the context leaves (as OpenAI and vLLM)."""
-    names = served_model_names(state)
-    if body.model not in names:
-        raise OpenAIError(404, f"the model {body.model!r} does not exist; this server serves "
-                               f"{' or '.join(map(repr, names))}", param="model", code="model_not_found")
+    _check_model(state, body.model)
     vocab = state.engine.loaded.config.vocab_size
     if not prompt_ids:
         raise OpenAIError(400, "the prompt is empty", param="prompt")
@@ -239,13 +237,10 @@ def _chat_text(state: ServerState, chat: list[ChatMessage], add_generation_promp
             content = "".join(str(part.get("text", "")) for part in content)
         name = (message.model_extra or {}).get("name")
         messages.append({"role": message.role, "content": content or ""} | ({"name": name} if name else {}))
-    tokenizer = state.engine.loaded.tokenizer
-    template = tokenizer.chat_template or FALLBACK_CHAT_TEMPLATE
     try:
-        return tokenizer.apply_chat_template(messages, chat_template=template,
-                                             add_generation_prompt=add_generation_prompt, tokenize=False)
-    except Exception as error:  # the template's own complaints (roles out of order, ...)
-        raise OpenAIError(400, f"the chat template refused the messages: {error}", param="messages") from None
+        return state.engine.chat_template(messages, add_generation_prompt, default_template=FALLBACK_CHAT_TEMPLATE)
+    except InvalidArgument as error:  # the template's own complaints (roles out of order, ...)
+        raise OpenAIError(400, str(error), param="messages") from None
 
 
 def _usage(info: PromptInfo | None, completion_tokens: int) -> dict:
@@ -490,6 +485,7 @@ async def chat_completions(request: Request):
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
+    """The 404 for a `model` this server does not serve (None: the request names none)."""
     names = served_model_names(state)
     if model is not None and model not in names:
         raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
