@@ -60,6 +60,11 @@ def test_a_gguf_is_converted_once_and_read_back_from_the_cache(stories_gguf, tmp
 
     monkeypatch.setattr(loader, "_read_gguf", no_parsing)
     monkeypatch.setattr(gguf_cache, "file_sha256", no_parsing)  # its digest is remembered too
+
+    def no_config_class(*args, **kwargs):
+        raise AssertionError("transformers' config classes were used (their import takes ~1 s)")
+
+    monkeypatch.setattr(loader.AutoConfig, "from_pretrained", no_config_class)  # the stored config instead
     again = Engine.from_path(stories_gguf, device="cpu", page_size=16, num_pages=64)
     text = "Once upon a time, a little dog"
     prompt = first.tokenize(text)
@@ -76,6 +81,10 @@ def test_a_gguf_is_converted_once_and_read_back_from_the_cache(stories_gguf, tmp
     (converted[0] / "model.safetensors").write_bytes(b"damaged")
     assert Engine.from_path(stories_gguf, device="cpu", num_pages=8).tokenize(text) == prompt
     assert (converted[0] / "model.safetensors").stat().st_size > 1000  # converted and kept again
+
+    (converted[0] / gguf_cache.FULL_CONFIG).unlink()  # converted by an older Symphony: the config added
+    assert Engine.from_path(stories_gguf, device="cpu", num_pages=8).tokenize(text) == prompt
+    assert gguf_cache.stored_config(converted[0]).vocab_size == first.loaded.config.vocab_size
 
     other = tmp_path / "stories260K.gguf"  # another file's bytes: another conversion
     other.write_bytes(stories_gguf.read_bytes() + b"\0" * 32)

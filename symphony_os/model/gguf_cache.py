@@ -11,14 +11,18 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors.torch import save_file
 
 from ..cache import cache_root
 
-ROPE_FREQS = "rope_freqs.pt"
-DIGESTS = "digests.json"  # (path, size, modification time) -> the file's sha256  # llama.cpp's per-frequency RoPE factors, when the file has them
+ROPE_FREQS = "rope_freqs.pt"  # llama.cpp's per-frequency RoPE factors, when the file has them
+DIGESTS = "digests.json"  # (path, size, modification time) -> the file's sha256
+# Every field of the converted model's config (transformers' to_dict, defaults included), read
+# back without transformers' config classes (stored_config).
+FULL_CONFIG = "symphony-config.json"
 log = logging.getLogger("symphony.model")
 
 
@@ -71,6 +75,34 @@ def rope_freqs_of(directory: Path) -> torch.Tensor | None:
     return torch.load(path, weights_only=True) if path.is_file() else None
 
 
+def stored_config(directory: Path) -> SimpleNamespace | None:
+    """The converted model's config as a plain object with every field as an attribute, or None
+    when the directory has none (converted by an older Symphony) or its RoPE is not the default
+    (whose frequencies transformers computes from its own config class). Importing transformers'
+    LlamaConfig takes ~1.1 s here (its module pulls in torch.distributed and sympy): a quarter of
+    the default model's second load."""
+    try:
+        fields = json.loads((directory / FULL_CONFIG).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
+        return None
+    rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
+    if not isinstance(rope, dict) or (rope.get("rope_type") or rope.get("type") or "default") != "default":
+        return None
+    return SimpleNamespace(**fields)
+
+
+def keep_full_config(directory: Path, hf_config) -> None:
+    """Add the full config (FULL_CONFIG) to a conversion made before it was kept (best effort)."""
+    staging = directory / f".{FULL_CONFIG}-{os.getpid()}"
+    try:
+        staging.write_text(json.dumps(hf_config.to_dict()))
+        os.replace(staging, directory / FULL_CONFIG)
+    except OSError as error:
+        log.warning("cannot add the full config to %s: %s", directory, error)
+
+
 def keep_converted(directory: Path, hf_config, tensors: dict[str, torch.Tensor], tokenizer,
                    rope_freqs: torch.Tensor | None) -> None:
     """Write a converted model to `directory`: into a fresh directory beside it, renamed into place
@@ -84,6 +116,7 @@ def keep_converted(directory: Path, hf_config, tensors: dict[str, torch.Tensor],
         return
     try:
         hf_config.save_pretrained(staging)
+        (staging / FULL_CONFIG).write_text(json.dumps(hf_config.to_dict()))
         tokenizer.save_pretrained(staging)
         seen: set[int] = set()
         weights = {}

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from .decoder import DecoderModel, ModelConfig, rope_inv_freq, rope_parameters
-from .gguf_cache import converted_dir, keep_converted, rope_freqs_of
+from .gguf_cache import FULL_CONFIG, converted_dir, keep_converted, keep_full_config, rope_freqs_of, stored_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE scalings whose frequencies transformers recomputes from the sequence's length (refused).
@@ -146,13 +146,16 @@ def _eos_ids(generation_config: Path | None, hf_config, tokenizer) -> tuple[int,
     return tuple(ids)
 
 
-def _read_directory(path: Path):
-    """(transformers config, raw tensors, tokenizer) of a Hugging Face directory."""
-    if not (path / "config.json").is_file():
+def _read_directory(path: Path, hf_config=None):
+    """(transformers config, raw tensors, tokenizer) of a Hugging Face directory; `hf_config`:
+    its config read already (gguf_cache.stored_config)."""
+    if hf_config is None and not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} is not a Hugging Face model directory (no config.json)")
-    hf_config = AutoConfig.from_pretrained(str(path))
+    if hf_config is None:
+        hf_config = AutoConfig.from_pretrained(str(path))
     _check_model_type(hf_config)
-    return hf_config, _read_safetensors(path), AutoTokenizer.from_pretrained(str(path))
+    # The config given: else the tokenizer's loader reads it again, through transformers' classes.
+    return hf_config, _read_safetensors(path), AutoTokenizer.from_pretrained(str(path), config=hf_config)
 
 
 def _read_gguf_or_its_conversion(path: Path):
@@ -164,7 +167,10 @@ def _read_gguf_or_its_conversion(path: Path):
         raise ModelLoadError(f"{path}: cannot read it ({error.strerror or error})") from error
     if converted is not None and converted.is_dir():
         try:
-            return (*_read_directory(converted), rope_freqs_of(converted))
+            hf_config, raw, tokenizer = _read_directory(converted, stored_config(converted))
+            if not (converted / FULL_CONFIG).is_file():  # converted by an older Symphony
+                keep_full_config(converted, hf_config)
+            return hf_config, raw, tokenizer, rope_freqs_of(converted)
         except Exception as error:  # damaged since (any way: a truncated file, say): converted again
             log.warning("the converted model in %s cannot be read (%s): converting %s again", converted, error, path)
             shutil.rmtree(converted, ignore_errors=True)
@@ -242,6 +248,12 @@ def _gguf_rope_freqs(path: Path) -> torch.Tensor | None:
     3.x model's llama3 scaling so, not as metadata, and transformers' reader drops the tensor)."""
     import gguf
 
+    try:  # the tensors' names alone, without parsing the metadata's arrays (~20 ms against ~3 s)
+        from transformers.integrations.gguf import read_gguf_metadata
+        if "rope_freqs.weight" not in read_gguf_metadata(str(path))[1]:
+            return None
+    except Exception:  # an older transformers, or a file its reader refuses: the whole file below
+        pass
     for tensor in gguf.GGUFReader(path).tensors:
         if tensor.name == "rope_freqs.weight":
             return torch.tensor(tensor.data, dtype=torch.float32).flatten()
