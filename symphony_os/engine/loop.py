@@ -226,6 +226,18 @@ class Engine:
                 self._queue_lock.notify()
         return request
 
+    def submit_decode(self, session: KvSession, handle: int, token: int, answer) -> PredRequest:
+        """Queue one greedy decode step continuing the file behind `handle`, answered through
+        `answer.settle(result, error)` (any object with that method) instead of a PredFuture:
+        for a caller that checked `token` already (an integer in [0, vocab_size)), such as a
+        LIP's fast `pred` (lip/process.py). The handle is checked here, as `submit` checks it."""
+        request = PredRequest(session.take_for_pred(handle), [token], None, GREEDY, answer)
+        with self._queue_mutex:
+            self.scheduler.add(request)
+            if self._thread is not None:
+                self._queue_lock.notify()
+        return request
+
     def pred(self, session: KvSession, handle: int, tokens: list[int], positions: list[int] | None = None,
              want: Want = GREEDY) -> PredResult:
         """submit() and wait; without a background thread, runs batches in this thread."""

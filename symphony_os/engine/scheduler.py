@@ -33,12 +33,14 @@ class PredRequest:
     __slots__ = ("file", "tokens", "positions", "want", "future", "submitted_at", "done", "length_before",
                  "started_at", "greedy_each")
 
-    def __init__(self, file: KvFile, tokens: list[int], positions: list[int] | None, want: Want):
+    def __init__(self, file: KvFile, tokens: list[int], positions: list[int] | None, want: Want,
+                 future: PredFuture | None = None):
         self.file = file
         self.tokens = tokens
         self.positions = positions
         self.want = want
-        self.future = PredFuture()
+        # What the engine answers (its `settle(result, error)`): a PredFuture, or the caller's own.
+        self.future = PredFuture() if future is None else future
         self.submitted_at = _perf_counter()
         self.done = 0  # tokens already appended by earlier chunks
         self.length_before: int | None = None  # the file's length when the first chunk ran (for rollback)

@@ -17,6 +17,7 @@ import time
 
 from ..engine.sampling import GREEDY, Distribution, GreedyEach, PredResult, Sample, TopK, Want
 from ..errors import ErrorCode, InvalidArgument, LimitExceeded, SymphonyError
+from ..wasm.fiber import FastCall
 from ..wasm.guest_memory import GuestMemory
 from ..wasm.wit import core_signatures
 from .syscalls import MAX_PATH_BYTES, MAX_TEXT_BYTES, MAX_TOKENS_PER_PRED, SystemCalls, Wait
@@ -37,6 +38,16 @@ MIN_SLEEP_S = 0.001  # a sleep that waits at all waits this long at least (Linux
 # WASI preview 1 functions of ours, shadowing wasmtime's (each method says why). They answer a
 # WASI errno; a call refused by the host-call rate limit (or failing inside) answers EIO.
 WASI_CALLS = ("fd_write", "poll_oneoff", "random_get")
+
+
+def pred_fast_shape(vocab_size: int) -> FastCall:
+    """The decode step most programs make on every token, in the shape fiber_native.c recognises
+    (fiber.FastCall): `pred(kv, ids, NULL, 1, sample, 0, out, cap)`, the one token id inside
+    memory and the vocabulary, `cap` >= 0 and the output buffer inside memory. Such a call
+    passes every check `CoreCalls.pred` makes on its arguments, so lip/process.py takes it
+    without decoding them again."""
+    return FastCall("symphony", "pred", fixed={2: 0, 3: 1, 4: KIND_SAMPLE, 5: 0}, nonnegative=(7,), read_arg=1,
+                    read_bound=vocab_size, span_arg=6, span_scale=4)
 
 
 def _signature_of(func) -> int:

@@ -17,7 +17,7 @@ from ..errors import ErrorCode, InputClosed, LimitExceeded, SymphonyError
 from ..wasm.fiber import AsyncLinker, Fiber, HostCall, set_time_slice
 from ..wasm.guest_memory import GuestMemory, memory_locator
 from ..wasm.program import Program
-from .core_abi import CoreCalls
+from .core_abi import CoreCalls, pred_fast_shape
 from .limits import ProcessLimits, Usage, store_limits, trap_reason
 from .syscalls import SystemCalls, Wait
 from .timers import Timers
@@ -59,7 +59,8 @@ class Process:
                  "end_reason", "log", "_on_output", "_on_log", "_on_exit", "_inbox", "_inbox_bytes", "_inbox_lock",
                  "_input_closed", "_kill_reason", "ended", "cpu_time_s", "usage", "syscalls", "abi", "store",
                  "_time_slice_ticks", "_fiber", "_fresh", "_instantiating", "_memory", "memory", "_blocked", "wake",
-                 "_woken_by_pred", "monotonic_origin", "_cpu_time_limit", "poll_address", "__weakref__")
+                 "_woken_by_pred", "monotonic_origin", "_cpu_time_limit", "poll_address", "_linker", "_decoding",
+                 "__weakref__")
     POLLS_TO_RESUME = 1  # polls that run the guest on after its blocking call is answered
 
     def __init__(self, program: Program, args: list[str], env: dict[str, str], engine, kv_session,
@@ -109,6 +110,8 @@ class Process:
         self._memory: wasmtime.Memory | None = None  # the guest's memory, once instantiated
         self.memory: GuestMemory | None = None  # checked access to it
         self._blocked: tuple[Wait, HostCall | None] | None = None  # the call it waits in
+        self._decoding: _DecodeAnswer | None = None  # or the fast decode step it waits in (_fast_pred)
+        self._linker = linker
         self.wake: Callable[["Process"], None] = lambda process: None  # set by the worker
         self._woken_by_pred = self._pred_done  # one bound method, not one per pred
 
@@ -237,7 +240,14 @@ class Process:
                 self._end(ProcessState.KILLED, EXIT_KILLED, self._kill_reason)
                 return "ended"
             resumed, ticks = False, 0
-            if self._blocked is not None:
+            decoding = self._decoding
+            if decoding is not None:  # a fast decode step (_fast_pred): its answer is in the fiber's slot
+                if not decoding.done:
+                    return "waiting"
+                self._decoding = None
+                self.state = _RUNNABLE
+                resumed, ticks = True, self._time_slice_ticks
+            elif self._blocked is not None:
                 wait, call = self._blocked
                 if not (wait.future.done() if wait.future is not None else self.input_ready()):
                     return "waiting"
@@ -258,7 +268,7 @@ class Process:
             if not finished:
                 # Blocked, or out of its time slice (instantiation too: a start function that
                 # computes holds no batch back, or every process's preds waited for it to end).
-                return "waiting" if self._blocked is not None else "preempted"
+                return "waiting" if self._blocked is not None or self._decoding is not None else "preempted"
             if self._kill_reason is not None:  # asked for while it ran (past its output limit, say)
                 self._end(ProcessState.KILLED, EXIT_KILLED, self._kill_reason)
             elif fiber.exit_code is not None:
@@ -304,7 +314,49 @@ class Process:
         exports = instance.exports(self.store)
         self._memory = exports["memory"]
         self.memory = GuestMemory(memory_locator(self.store, self._memory))
-        return Fiber(self.store, exports["_start"], owner=self)
+        fiber = Fiber(self.store, exports["_start"], owner=self)
+        if ("symphony", "pred") in self._linker.keys:
+            fiber.set_fast_call(pred_fast_shape(self.engine.loaded.config.vocab_size), self._linker, self._memory,
+                                self._fast_pred)
+        return fiber
+
+    def _fast_pred(self, fiber: Fiber, args: tuple, token: int) -> bool | None:
+        """A decode step in the common shape (core_abi.pred_fast_shape: one greedy sampled token
+        continuing the file behind args[0], its arguments checked by fiber_native.c), queued
+        without the system-call layer's decoding: ~600 Python bytecodes a token fewer. What
+        that layer would check here still holds: the host-call rate is charged (its check,
+        once a while, goes the ordinary way), the handle is checked by the engine, and with a
+        KV page limit only a token that fits in the file's own last page is taken (so no page
+        is added). None sends the call the ordinary way: a file the prefix cache tracks, a new
+        page under the limit, the rate check due."""
+        kv, calls, usage = args[0], self.syscalls, self.usage
+        if kv in calls.prefix_files or usage.hostcalls + 1 >= usage.check_at:
+            return None
+        if self.limits.kv_pages is not None and not self._fits_last_page(kv):
+            return None
+        usage.hostcalls += 1  # Usage.charge_hostcall, short of its check (above)
+        answer = _DecodeAnswer(self)
+        try:
+            self.engine.submit_decode(self.kv, kv, token, answer)
+        except SymphonyError as error:  # a bad or read-only handle: answered now, as `pred` would
+            fiber.answer_fast_call((int(calls.error_code(error)),))
+            return True
+        self._decoding = answer
+        self.state = ProcessState.BLOCKED_ON_PRED
+        return False
+
+    def _fits_last_page(self, kv: int) -> bool:
+        """Does one more token on the file behind `kv` fit in its own resident last page, with no
+        other pred of this process in flight (so no page is added: check_kv_pages would pass)?"""
+        if self.syscalls.tickets:
+            return False
+        try:
+            file = self.kv.file_of(kv)
+        except SymphonyError:
+            return False
+        pool = self.engine.pool
+        return (file.length % pool.page_size != 0 and not file.host_pages and bool(file.pages)
+                and pool.refcount[file.pages[-1]] == 1)
 
     def _end(self, state: ProcessState, code: int, reason: str) -> None:
         if self._fiber is not None:
@@ -312,6 +364,7 @@ class Process:
         if self._blocked is not None and self._blocked[0].cancel is not None:
             self._blocked[0].cancel()  # a sleep's timer, say
         self._blocked = None
+        self._decoding = None
         with self._inbox_lock:
             self._inbox.clear()
             self._inbox_bytes = 0
@@ -321,3 +374,28 @@ class Process:
         self.ended.set()
         if self._on_exit is not None:
             self._on_exit(self)
+
+
+class _DecodeAnswer:
+    """What the engine answers a fast decode step through (Process._fast_pred), in place of a
+    PredFuture: the sampled token, or the error's code as `pred` returns it, straight into the
+    fiber's slot; then the process is woken. Runs on the engine's thread."""
+
+    __slots__ = ("process", "done")
+
+    def __init__(self, process: Process):
+        self.process = process
+        self.done = False
+
+    def settle(self, result, error: BaseException | None) -> None:
+        process = self.process
+        if error is None:
+            value = result.token
+        elif isinstance(error, SymphonyError):
+            value = int(process.syscalls.error_code(error))
+        else:  # a host bug (a failed forward, say): logged, as finish_block logs it
+            log.error("pid %s: a decode step failed: %s: %s", process.pid, type(error).__name__, error)
+            value = int(ErrorCode.INTERNAL)
+        process._fiber.answer_fast_call((value,))
+        self.done = True  # after the answer: the worker polls the guest once it sees this
+        process.wake(process)

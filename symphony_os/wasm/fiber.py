@@ -100,12 +100,13 @@ _engine_clone = raw_prototype("wasmtime_engine_clone", _vp, _vp)
 _engine_delete = raw_prototype("wasm_engine_delete", None, _vp)
 _INCREMENT_EPOCH = ctypes.cast(ffi.dll["wasmtime_engine_increment_epoch"], _vp).value
 _NANOSLEEP = ctypes.cast(ctypes.CDLL(None).nanosleep, _vp).value  # the C library's
-_POLL_FINISHED, _POLL_CALLED = 1, 2  # sym_fiber_poll's answers (0: waiting or yielded)
+_POLL_FINISHED, _POLL_CALLED, _POLL_FAST_CALL = 1, 2, 3  # sym_fiber_poll's answers (0: waiting or yielded)
 _BLOCKING_CALL = ctypes.cast(_native.sym_fiber_blocking_call, _vp).value
 _SYNC_CALL = ctypes.cast(_native.sym_fiber_sync_call, _vp).value
 
 MAX_BLOCKING_ARGS, MAX_RESULTS, MAX_PREFETCHED_OBJECTS = 16, 4, 8
 _VALUE_BYTES = 32  # a wasmtime_val_t: the kind byte, then the value at offset 8
+_MEMORY_HANDLE_BYTES = ctypes.sizeof(ffi.wasmtime_memory_t)
 
 
 class _Slot(ctypes.Structure):
@@ -118,13 +119,19 @@ class _Slot(ctypes.Structure):
                 ("args", ctypes.c_uint8 * (_VALUE_BYTES * MAX_BLOCKING_ARGS)),
                 ("answer", ctypes.c_uint8 * (_VALUE_BYTES * MAX_RESULTS)), ("stack", _vp),
                 ("host_objects", _vp * MAX_PREFETCHED_OBJECTS),
-                ("host_object_bytes", ctypes.c_uint64 * MAX_PREFETCHED_OBJECTS)]
+                ("host_object_bytes", ctypes.c_uint64 * MAX_PREFETCHED_OBJECTS),
+                ("fast_function", ctypes.c_uint64), ("fast_fixed_mask", ctypes.c_uint64),
+                ("fast_nonnegative_mask", ctypes.c_uint64), ("fast_fixed", ctypes.c_int32 * MAX_BLOCKING_ARGS),
+                ("fast_read_arg", ctypes.c_uint64), ("fast_read_bound", ctypes.c_uint64),
+                ("fast_span_arg", ctypes.c_uint64), ("fast_span_scale", ctypes.c_uint64),
+                ("fast_memory", _vp), ("fast_memory_handle", ctypes.c_uint8 * _MEMORY_HANDLE_BYTES),
+                ("fast_value", ctypes.c_int64)]
 
 
 def _check_slot_layout() -> None:
     names = [name for name, _ in _Slot._fields_]
     declared = [ctypes.sizeof(_Slot), *(getattr(_Slot, name).offset for name in names),
-                MAX_BLOCKING_ARGS, MAX_RESULTS, MAX_PREFETCHED_OBJECTS, _VALUE_BYTES]
+                MAX_BLOCKING_ARGS, MAX_RESULTS, MAX_PREFETCHED_OBJECTS, _VALUE_BYTES, _MEMORY_HANDLE_BYTES]
     native = (ctypes.c_uint32 * len(declared))()
     count = _native.sym_fiber_slot_layout(native, len(declared))
     if count != len(declared) or list(native) != declared:
@@ -137,8 +144,9 @@ _native.sym_fiber_slot_layout.argtypes = [ctypes.POINTER(ctypes.c_uint32), ctype
 _check_slot_layout()
 # The slot as 64-bit words, for the fields a round touches (a memoryview index is ~30 ns; a
 # Structure attribute several times that): each word's index, from _Slot's offsets.
-_FUTURE, _CONTEXT, _FUNCTION, _CALLER, _ANSWERED, _TRAP = (
-    getattr(_Slot, name).offset // 8 for name in ("future", "context", "function", "caller", "answered", "trap"))
+_FUTURE, _CONTEXT, _FUNCTION, _CALLER, _ANSWERED, _TRAP, _FAST_VALUE = (
+    getattr(_Slot, name).offset // 8
+    for name in ("future", "context", "function", "caller", "answered", "trap", "fast_value"))
 _HOST_OBJECTS, _HOST_OBJECT_BYTES = _Slot.host_objects.offset // 8, _Slot.host_object_bytes.offset // 8
 _ARGS_OFFSET, _ANSWER_OFFSET = _Slot.args.offset, _Slot.answer.offset
 # Where an object's memory starts, before its id(): CPython's GC header (16 bytes) and, for an
@@ -282,6 +290,25 @@ class Pending:
 
 HostResult = Union[Ready, Pending]
 Handler = Callable[["HostCall", list], HostResult]
+
+
+class FastCall:
+    """The common shape of one blocking host function, which fiber_native.c recognises as the
+    guest makes the call, so that Python can take it without decoding it (`Fiber.set_fast_call`):
+    `fixed` arguments (index -> value) equal, those in `nonnegative` >= 0, an output buffer at
+    args[span_arg] of span_scale * args[span_arg + 1] bytes inside the guest's memory, and the
+    i32 at the address in args[read_arg] inside memory and in [0, read_bound): that value is
+    what the handler gets. Anything else is an ordinary call."""
+
+    __slots__ = ("module", "name", "fixed", "nonnegative", "read_arg", "read_bound", "span_arg", "span_scale")
+
+    def __init__(self, module: str, name: str, fixed: dict[int, int], nonnegative: Sequence[int], read_arg: int,
+                 read_bound: int, span_arg: int, span_scale: int):
+        if not all(0 <= i < MAX_BLOCKING_ARGS for i in (*fixed, *nonnegative, read_arg, span_arg, span_arg + 1)):
+            raise ValueError(f"a fast call's arguments are among the first {MAX_BLOCKING_ARGS}")
+        self.module, self.name = module, name
+        self.fixed, self.nonnegative = dict(fixed), tuple(nonnegative)
+        self.read_arg, self.read_bound, self.span_arg, self.span_scale = read_arg, read_bound, span_arg, span_scale
 
 
 class HostCall:
@@ -442,6 +469,8 @@ def _handle_sync_call(key):
             call._caller = None
 
 
+_native.sym_fiber_init_memory_size.restype, _native.sym_fiber_init_memory_size.argtypes = None, [_vp]
+_native.sym_fiber_init_memory_size(ctypes.cast(ffi.dll["wasmtime_memory_data_size"], _vp))
 _native.sym_fiber_init.restype, _native.sym_fiber_init.argtypes = None, [_vp, _vp, _vp, _vp]
 _native.sym_fiber_init(ctypes.cast(_future_poll, _vp), ctypes.cast(_set_epoch_deadline, _vp),
                        ctypes.cast(ffi.dll["wasmtime_trap_new"], _vp), ctypes.cast(_handle_sync_call, _vp))
@@ -492,6 +521,7 @@ class AsyncLinker:
     def __init__(self, engine: wasmtime.Engine):
         self.engine = engine
         self.linker = wasmtime.Linker(engine)
+        self.keys: dict[tuple[str, str], int] = {}  # (module, name) -> the key of the function defined last
 
     def define_wasi(self) -> None:
         """Provide WASI preview 1 (configure each store with `Store.set_wasi`)."""
@@ -519,6 +549,7 @@ class AsyncLinker:
             raise TypeError(f"a host function of a fiber returns at most {MAX_RESULTS} results")
         key = next(_next_key)
         _FUNCTIONS[key] = _HostFunction(f"{module}.{name}", _kinds(params), _kinds(results), handler)
+        self.keys[(module, name)] = key
         module_bytes, name_bytes = module.encode(), name.encode()
         func_type = wasmtime.FuncType(list(params), list(results))  # a name keeps it alive for the call
         error = define(self.linker.ptr(), module_bytes, len(module_bytes), name_bytes, len(name_bytes),
@@ -563,7 +594,7 @@ class Fiber:
     # Slots: a scheduler touches every fiber's fields on every round; no per-fiber dict to fetch.
     __slots__ = ("owner", "result", "trap", "trap_code", "exit_code", "error", "_deferred", "_wait", "_wait_call",
                  "_slot", "slot_address", "_view", "_fields", "_store", "_collect", "_keep", "_trap_slot",
-                 "_error_slot", "_future")
+                 "_error_slot", "_future", "_fast")
 
     def __init__(self, store: wasmtime.Store, func: wasmtime.Func, args: Sequence[Value] = (),
                  owner: object = None):
@@ -630,6 +661,7 @@ class Fiber:
         self._error_slot = ctypes.POINTER(ffi.wasmtime_error_t)()
         self._future = _address(start(ctypes.byref(self._trap_slot), ctypes.byref(self._error_slot)))
         self._fields[_FUTURE] = self._future
+        self._fast: tuple[_HostFunction, Callable] | None = None  # set_fast_call's
         self.prefetch_with(())
         _STORES_IN_CALL.add(id(store))
 
@@ -653,6 +685,52 @@ class Fiber:
             fields[_HOST_OBJECT_BYTES + index] = \
                 0 if item is None else min(_OBJECT_PREFIX + sys.getsizeof(item), _MAX_OBJECT_BYTES)
 
+    def set_fast_call(self, shape: FastCall, linker: AsyncLinker, memory: wasmtime.Memory,
+                      handler: Callable[["Fiber", tuple, int], "bool | None"]) -> None:
+        """Take the guest's calls of `shape` (a blocking function of `linker`) through
+        `handler(fiber, args, value)` (`value`: the i32 that FastCall reads), with no HostCall
+        and nothing decoded twice. The handler returns None to send the call the ordinary way
+        (its handler then runs as for any call), True once it answered with `answer_fast_call`
+        (the guest runs on), or False: the guest waits until `answer_fast_call` is called
+        (from any thread). It must not raise. `memory` is the guest's memory export."""
+        key = linker.keys[(shape.module, shape.name)]
+        function = _FUNCTIONS[key]
+        slot = self._slot
+        slot.fast_fixed_mask = sum(1 << i for i in shape.fixed)
+        slot.fast_nonnegative_mask = sum(1 << i for i in shape.nonnegative)
+        for index, value in shape.fixed.items():
+            slot.fast_fixed[index] = value
+        slot.fast_read_arg, slot.fast_read_bound = shape.read_arg, shape.read_bound
+        slot.fast_span_arg, slot.fast_span_scale = shape.span_arg, shape.span_scale
+        slot.fast_memory = memory_location(self._fields[_CONTEXT], memory._memory)[0]
+        ctypes.memmove(slot.fast_memory_handle, ctypes.byref(memory._memory), _MEMORY_HANDLE_BYTES)
+        self._fast = (function, handler)
+        slot.fast_function = key  # last: C recognises the call from now on
+
+    def answer_fast_call(self, values: Sequence[Value]) -> None:
+        """Answer the fast call the guest waits in (`set_fast_call`); the guest runs on at the
+        next poll. Any thread; nothing happens to a fiber closed meanwhile."""
+        if self._future is None:
+            return
+        function = self._fast[0]
+        try:
+            function.results.write(self._view, _ANSWER_OFFSET, values, function.qualified_name)
+        except BaseException as error:  # (values of the wrong count or type: a host bug)
+            self._fields[_TRAP] = _new_trap(_failure_message(function, error))
+        self._fields[_ANSWERED] = 1
+
+    def _take_fast_call(self) -> bool:
+        """The fast call the guest just made (fiber_native.c recognised its shape): through its
+        handler, else the ordinary way. True if answered at once (the guest runs on)."""
+        function, handler = self._fast
+        try:
+            taken = handler(self, function.params.read(self._view, _ARGS_OFFSET), self._fields[_FAST_VALUE])
+        except BaseException as error:  # (a host bug: the guest traps, as in _take_call)
+            self._fields[_TRAP] = _trap_for(function, error)
+            self._fields[_ANSWERED] = 1
+            return True
+        return self._take_call() if taken is None else taken
+
     def poll(self, time_slice_ticks: int = 0, prefetch: int | None = None) -> bool:
         """Run the guest until it finishes (True), or waits or yields (False). With
         `time_slice_ticks`, it first gets a fresh time slice (see `set_time_slice`): one that
@@ -668,7 +746,10 @@ class Fiber:
                 _deliver(self)  # the guest resumes in this poll
             while True:
                 state = _fiber_poll(self.slot_address, time_slice_ticks, prefetch)
-                if state != _POLL_CALLED or not self._take_call():
+                if state == _POLL_CALLED:
+                    if not self._take_call():
+                        break
+                elif state != _POLL_FAST_CALL or not self._take_fast_call():
                     break
                 time_slice_ticks, prefetch = 0, None  # answered at once: on in its slice (the next one fetched)
         finally:

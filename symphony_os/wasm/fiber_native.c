@@ -28,6 +28,7 @@
 #define SYM_FIBER_MAX_ARGS 16
 #define SYM_FIBER_MAX_RESULTS 4
 #define SYM_FIBER_HOST_OBJECTS 8
+#define SYM_FIBER_MEMORY_HANDLE 24
 
 typedef struct { /* wasmtime_val_t: a kind byte, then the value at offset 8 */
     uint8_t kind;
@@ -61,17 +62,32 @@ typedef struct {
        addresses and sizes, for prefetch_slot; unused entries are null. */
     const char *host_objects[SYM_FIBER_HOST_OBJECTS];
     uint64_t host_object_bytes[SYM_FIBER_HOST_OBJECTS];
+    /* The fast call (fiber.py's `Fiber.set_fast_call`): one blocking function whose common
+       shape C recognises, so that Python takes it without decoding it (see fast_shape). */
+    uint64_t fast_function;       /* its key; 0: none */
+    uint64_t fast_fixed_mask;     /* bit i: args[i] must equal fast_fixed[i] */
+    uint64_t fast_nonnegative_mask; /* bit i: args[i] must be >= 0 */
+    int32_t fast_fixed[SYM_FIBER_MAX_ARGS];
+    uint64_t fast_read_arg;       /* the argument holding the address of an i32 to read */
+    uint64_t fast_read_bound;     /* which must be in [0, bound) */
+    uint64_t fast_span_arg;       /* an output buffer: args[span] + span_scale * args[span + 1] in memory */
+    uint64_t fast_span_scale;
+    const uint8_t *fast_memory;   /* the guest memory's base (it never moves) */
+    uint8_t fast_memory_handle[SYM_FIBER_MEMORY_HANDLE]; /* its wasmtime_memory_t, for its size now */
+    int64_t fast_value;           /* the i32 read, once recognised */
 } sym_fiber_slot;
 
 typedef bool (*future_poll_fn)(void *future);
 typedef void (*set_deadline_fn)(void *context, uint64_t ticks);
 typedef void *(*trap_new_fn)(const char *message, size_t length);
 typedef void *(*sync_handler_fn)(uint64_t function); /* fiber.py's: 0, or a trap */
+typedef size_t (*memory_size_fn)(void *context, const void *memory);
 
 static future_poll_fn future_poll;
 static set_deadline_fn set_epoch_deadline;
 static trap_new_fn trap_new;
 static sync_handler_fn sync_handler;
+static memory_size_fn memory_data_size;
 static _Thread_local sym_fiber_slot *polled; /* the slot of the fiber this thread polls */
 
 static const char NOT_POLLED[] = "a host function of a fiber was called outside Fiber.poll";
@@ -84,6 +100,8 @@ void sym_fiber_init(void *poll, void *set_deadline, void *new_trap, void *handle
     sync_handler = (sync_handler_fn)handle_sync_call;
 }
 
+void sym_fiber_init_memory_size(void *data_size) { memory_data_size = (memory_size_fn)data_size; }
+
 /* The slot's size and each field's offset, in its order, for fiber.py to check its _Slot by. */
 unsigned sym_fiber_slot_layout(uint32_t *out, unsigned cap) {
     const uint32_t layout[] = {
@@ -93,7 +111,13 @@ unsigned sym_fiber_slot_layout(uint32_t *out, unsigned cap) {
         offsetof(sym_fiber_slot, answered), offsetof(sym_fiber_slot, nresults), offsetof(sym_fiber_slot, trap),
         offsetof(sym_fiber_slot, args), offsetof(sym_fiber_slot, answer), offsetof(sym_fiber_slot, stack),
         offsetof(sym_fiber_slot, host_objects), offsetof(sym_fiber_slot, host_object_bytes),
-        SYM_FIBER_MAX_ARGS, SYM_FIBER_MAX_RESULTS, SYM_FIBER_HOST_OBJECTS, sizeof(sym_val),
+        offsetof(sym_fiber_slot, fast_function), offsetof(sym_fiber_slot, fast_fixed_mask),
+        offsetof(sym_fiber_slot, fast_nonnegative_mask), offsetof(sym_fiber_slot, fast_fixed),
+        offsetof(sym_fiber_slot, fast_read_arg), offsetof(sym_fiber_slot, fast_read_bound),
+        offsetof(sym_fiber_slot, fast_span_arg), offsetof(sym_fiber_slot, fast_span_scale),
+        offsetof(sym_fiber_slot, fast_memory), offsetof(sym_fiber_slot, fast_memory_handle),
+        offsetof(sym_fiber_slot, fast_value),
+        SYM_FIBER_MAX_ARGS, SYM_FIBER_MAX_RESULTS, SYM_FIBER_HOST_OBJECTS, sizeof(sym_val), SYM_FIBER_MEMORY_HANDLE,
     };
     unsigned n = sizeof layout / sizeof layout[0];
     for (unsigned i = 0; i < n && i < cap; i++)
@@ -148,6 +172,37 @@ static sym_fiber_slot *record(void *env, void *caller, const sym_val *args, size
     return slot;
 }
 
+/* Is the call just recorded in `slot` its fast call in the shape Python set (fiber.py's
+ * `Fiber.set_fast_call`): the fixed arguments equal, the others non-negative where asked, the
+ * output buffer and the i32 read inside the guest's memory, the value read within its bound?
+ * Then that value goes to `fast_value`. Anything else is an ordinary call, which Python
+ * decodes and checks in full: this only ever sends a call the long way. */
+static bool fast_shape(sym_fiber_slot *slot) {
+    if (slot->fast_function == 0 || slot->function != slot->fast_function || memory_data_size == 0)
+        return false;
+    int32_t args[SYM_FIBER_MAX_ARGS];
+    for (uint64_t i = 0; i < slot->nargs; i++)
+        args[i] = *(const int32_t *)slot->args[i].of;
+    for (uint64_t i = 0; i < slot->nargs; i++) {
+        if ((slot->fast_fixed_mask >> i & 1) && args[i] != slot->fast_fixed[i])
+            return false;
+        if ((slot->fast_nonnegative_mask >> i & 1) && args[i] < 0)
+            return false;
+    }
+    uint64_t size = memory_data_size(slot->context, slot->fast_memory_handle);
+    uint64_t span_end = (uint64_t)(uint32_t)args[slot->fast_span_arg]
+                        + slot->fast_span_scale * (uint64_t)(uint32_t)args[slot->fast_span_arg + 1];
+    uint64_t read_at = (uint64_t)(uint32_t)args[slot->fast_read_arg];
+    if (args[slot->fast_read_arg] < 0 || args[slot->fast_span_arg] < 0 || span_end > size || read_at + 4 > size)
+        return false;
+    const uint8_t *at = slot->fast_memory + read_at; /* little-endian, as wasm is */
+    int32_t value = (int32_t)((uint32_t)at[0] | (uint32_t)at[1] << 8 | (uint32_t)at[2] << 16 | (uint32_t)at[3] << 24);
+    if (value < 0 || (uint64_t)value >= slot->fast_read_bound)
+        return false;
+    slot->fast_value = value;
+    return true;
+}
+
 /* wasmtime_func_async_callback_t of every blocking host function (env: the function's key). */
 void sym_fiber_blocking_call(void *env, void *caller, const sym_val *args, size_t nargs, sym_val *results,
                              size_t nresults, void **trap_ret, sym_continuation *continuation) {
@@ -160,7 +215,7 @@ void sym_fiber_blocking_call(void *env, void *caller, const sym_val *args, size_
     }
     slot->stack = (const char *)__builtin_frame_address(0);
     slot->answered[0] = 0;
-    slot->called = 1;
+    slot->called = fast_shape(slot) ? 3 : 1;
     continuation->callback = read_answered;
     continuation->env = slot;
 }
@@ -211,7 +266,8 @@ static void prefetch_slot(const sym_fiber_slot *slot) {
 }
 
 /* Run the fiber's guest on: 1 once its call finished, 2 if it made a blocking call (recorded
- * in the slot), 0 if it waits or yielded. A nonzero `time_slice_ticks` gives it a fresh slice
+ * in the slot), 3 if that call is its fast call (fast_shape; recorded all the same), 0 if it
+ * waits or yielded. A nonzero `time_slice_ticks` gives it a fresh slice
  * first, which lasts until the (time_slice_ticks + 1)th tick from now. `next`, when not null,
  * is the slot of the fiber the caller polls next: it is prefetched meanwhile (prefetch_slot);
  * it must be a live slot, though its fiber may have finished. Nested polls (from a sync host
@@ -228,7 +284,7 @@ int sym_fiber_poll(sym_fiber_slot *slot, uint64_t time_slice_ticks, const sym_fi
     slot->called = 0;
     bool finished = future_poll(slot->future);
     polled = outer;
-    return finished ? 1 : (slot->called ? 2 : 0);
+    return finished ? 1 : (slot->called == 3 ? 3 : slot->called ? 2 : 0);
 }
 
 /* The epoch ticker: increments `engine`'s epoch every `interval_ns` until `*stop` is set. It

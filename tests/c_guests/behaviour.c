@@ -49,6 +49,7 @@ int main(void) {
     report("kv-close", __sym_kv_close(fork));
     report("kv-len-closed", __sym_kv_len(fork));
     report("kv-close-again", __sym_kv_close(fork));
+    report("pred-closed", __sym_pred(fork, ids, 0, 1, SYM_PRED_SAMPLE, 0, 0, 0));
     report("kv-open-create", __sym_kv_open("table/doc", 9, SYM_KV_CREATE) > 0);
     report("kv-open-exclusive", __sym_kv_open("table/doc", 9, SYM_KV_CREATE | SYM_KV_EXCLUSIVE));
     report("kv-remove", __sym_kv_remove("table/doc", 9));

@@ -43,6 +43,7 @@ def main(args: list[str]) -> int:
     report("kv-close", outcome(fork.close) or 0)
     report("kv-len-closed", outcome(lambda: len(Kv(handle))))
     report("kv-close-again", outcome(Kv(handle).close) or 0)
+    report("pred-closed", outcome(lambda: Kv(handle).next_token(ids[:1])))
     report("kv-open-create", int(outcome(lambda: Kv.open("table/doc", create=True).handle) > 0))
     report("kv-open-exclusive", outcome(lambda: Kv.open("table/doc", create=True, exclusive=True)))
     report("kv-remove", outcome(lambda: Kv.remove("table/doc")) or 0)
