@@ -43,24 +43,34 @@ def test_decode_steps_in_the_common_shape_skip_the_call_layer_and_answer_the_sam
         return pred(self, mem, kv, ids_ptr, pos_ptr, n, kind, arg, out_ptr, cap)
 
     monkeypatch.setattr(core_abi.CoreCalls, "pred", counted)
+    ordinary_tickets = []
+    for name in ("pred_submit", "pred_wait"):
+        def counted_call(self, *args, _name=name, _call=getattr(core_abi.CoreCalls, name)):
+            ordinary_tickets.append(_name)
+            return _call(self, *args)
+        monkeypatch.setattr(core_abi.CoreCalls, name, counted_call)
     answers = run(engine, build_c(GUEST, tmp_path / "decode_shapes.wasm"))
 
     ids = engine.tokenize("Once upon a time", add_special_tokens=False)
     session = engine.session()
     handle = session.create()
     greedy = [engine.pred(session, handle, ids).token]
-    for _ in range(7):
+    for _ in range(9):
         greedy.append(engine.pred(session, handle, [greedy[-1]]).token)
-    after_positions = engine.pred(session, handle, [greedy[-1]], positions=[len(ids) + 7]).token
+    after_positions = engine.pred(session, handle, [greedy[-1]], positions=[len(ids) + 9]).token
     session.close_all()
     assert answers == [("prefill", greedy[0]), *(("fast", token) for token in greedy[1:7]),
-                       ("fast-buffer", greedy[7]), ("positions", after_positions),
+                       ("fast-buffer", greedy[7]), ("submit-wait", greedy[8]), ("wait-again", E.BAD_HANDLE),
+                       ("submit-bad-handle", E.BAD_HANDLE), ("wait-cap-negative", E.INVALID_ARGUMENT),
+                       ("wait-after", greedy[9]), ("positions", after_positions),
                        ("cap-negative", E.INVALID_ARGUMENT), ("ids-outside", E.BAD_POINTER),
                        ("buffer-outside", E.BAD_POINTER), ("token-negative", E.INVALID_ARGUMENT),
                        ("token-past-vocab", E.INVALID_ARGUMENT), ("bad-handle", E.BAD_HANDLE), ("after", 1)]
     # The ordinary way: the prefill and the six shapes outside the fast one; not the seven fast
     # steps, the bad handle (the engine refuses it, as for any pred) or the last step.
     assert len(ordinary) == 7 and ordinary[0][1] == len(ids) and ordinary[1][0]
+    # pred_submit + pred_wait: the fast pair, but a wait on an ended ticket or with a negative cap.
+    assert ordinary_tickets == ["pred_wait", "pred_wait"]
 
 
 def test_fast_decode_steps_keep_the_kv_page_limit(engine, tmp_path):

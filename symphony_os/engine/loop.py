@@ -226,11 +226,11 @@ class Engine:
                 self._queue_lock.notify()
         return request
 
-    def submit_decode(self, session: KvSession, handle: int, token: int, answer) -> PredRequest:
+    def submit_decode(self, session: KvSession, handle: int, token: int, answer=None) -> PredRequest:
         """Queue one greedy decode step continuing the file behind `handle`, answered through
-        `answer.settle(result, error)` (any object with that method) instead of a PredFuture:
-        for a caller that checked `token` already (an integer in [0, vocab_size)), such as a
-        LIP's fast `pred` (lip/process.py). The handle is checked here, as `submit` checks it."""
+        `answer.settle(result, error)` (any object with that method; None: a PredFuture): for a
+        caller that checked `token` already (an integer in [0, vocab_size)), such as a LIP's
+        fast `pred` (lip/process.py). The handle is checked here, as `submit` checks it."""
         request = PredRequest(session.take_for_pred(handle), [token], None, GREEDY, answer)
         with self._queue_mutex:
             self.scheduler.add(request)

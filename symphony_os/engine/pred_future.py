@@ -53,6 +53,10 @@ class PredFuture:
                 return
             callback(self)
 
+    def outcome(self) -> tuple[Any, BaseException | None]:
+        """(result, error) of an answered future, without raising the error."""
+        return self._result, self._error
+
     def set_result(self, result: Any) -> None:
         self.settle(result, None)
 

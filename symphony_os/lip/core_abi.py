@@ -50,6 +50,19 @@ def pred_fast_shape(vocab_size: int) -> FastCall:
                     read_bound=vocab_size, span_arg=6, span_scale=4)
 
 
+def pred_submit_fast_shape(vocab_size: int) -> FastCall:
+    """`pred_submit(kv, ids, NULL, 1, sample, 0)` with the token inside memory and the vocabulary
+    (see pred_fast_shape)."""
+    return FastCall("symphony", "pred_submit", fixed={2: 0, 3: 1, 4: KIND_SAMPLE, 5: 0}, read_arg=1,
+                    read_bound=vocab_size)
+
+
+def pred_wait_fast_shape() -> FastCall:
+    """`pred_wait(ticket, out, cap)` with `cap` >= 0 and the buffer inside memory: the checks
+    `CoreCalls.pred_wait` makes on its arguments before it looks at the ticket."""
+    return FastCall("symphony", "pred_wait", fixed={}, nonnegative=(2,), span_arg=1, span_scale=4)
+
+
 def _signature_of(func) -> int:
     return func.__code__.co_argcount - 2  # minus self and memory
 

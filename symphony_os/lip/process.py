@@ -17,7 +17,8 @@ from ..errors import ErrorCode, InputClosed, LimitExceeded, SymphonyError
 from ..wasm.fiber import AsyncLinker, Fiber, HostCall, set_time_slice
 from ..wasm.guest_memory import GuestMemory, memory_locator
 from ..wasm.program import Program
-from .core_abi import CoreCalls, pred_fast_shape
+from ..engine.sampling import Sample
+from .core_abi import CoreCalls, pred_fast_shape, pred_submit_fast_shape, pred_wait_fast_shape
 from .limits import ProcessLimits, Usage, store_limits, trap_reason
 from .syscalls import SystemCalls, Wait
 from .timers import Timers
@@ -245,6 +246,8 @@ class Process:
                 if not decoding.done:
                     return "waiting"
                 self._decoding = None
+                if decoding.ticket:  # its pred_wait ends the ticket (on the worker: the tickets are its)
+                    self.syscalls.tickets.pop(decoding.ticket, None)
                 self.state = _RUNNABLE
                 resumed, ticks = True, self._time_slice_ticks
             elif self._blocked is not None:
@@ -315,9 +318,12 @@ class Process:
         self._memory = exports["memory"]
         self.memory = GuestMemory(memory_locator(self.store, self._memory))
         fiber = Fiber(self.store, exports["_start"], owner=self)
-        if ("symphony", "pred") in self._linker.keys:
-            fiber.set_fast_call(pred_fast_shape(self.engine.loaded.config.vocab_size), self._linker, self._memory,
-                                self._fast_pred)
+        vocab, keys = self.engine.loaded.config.vocab_size, self._linker.keys
+        if ("symphony", "pred") in keys:
+            fiber.set_fast_call(pred_fast_shape(vocab), self._linker, self._memory, self._fast_pred)
+        if ("symphony", "pred_submit") in keys and ("symphony", "pred_wait") in keys:
+            fiber.set_fast_call(pred_submit_fast_shape(vocab), self._linker, self._memory, self._fast_pred_submit)
+            fiber.set_fast_call(pred_wait_fast_shape(), self._linker, self._memory, self._fast_pred_wait)
         return fiber
 
     def _fast_pred(self, fiber: Fiber, args: tuple, token: int) -> bool | None:
@@ -339,10 +345,51 @@ class Process:
         try:
             self.engine.submit_decode(self.kv, kv, token, answer)
         except SymphonyError as error:  # a bad or read-only handle: answered now, as `pred` would
-            fiber.answer_fast_call((int(calls.error_code(error)),))
+            fiber.answer_fast_call(int(calls.error_code(error)))
             return True
         self._decoding = answer
         self.state = ProcessState.BLOCKED_ON_PRED
+        return False
+
+    def _fast_pred_submit(self, fiber: Fiber, args: tuple, token: int) -> int | None:
+        """`pred_submit` of a decode step in the common shape (core_abi.pred_submit_fast_shape):
+        its ticket, as SystemCalls.pred_submit gives it, with the same checks as _fast_pred and
+        the in-flight limit; None sends it the ordinary way."""
+        kv, calls, usage = args[0], self.syscalls, self.usage
+        if (kv in calls.prefix_files or usage.hostcalls + 1 >= usage.check_at
+                or len(calls.tickets) >= self.limits.preds_in_flight):
+            return None
+        if self.limits.kv_pages is not None and not self._fits_last_page(kv):
+            return None
+        usage.hostcalls += 1
+        try:
+            request = self.engine.submit_decode(self.kv, kv, token)
+        except SymphonyError as error:
+            return int(calls.error_code(error))
+        ticket = calls._next_ticket
+        calls._next_ticket = ticket + 1
+        calls.tickets[ticket] = request
+        return ticket
+
+    def _fast_pred_wait(self, fiber: Fiber, args: tuple, _value: int) -> bool | None:
+        """`pred_wait` on a ticket whose answer is a sampled token (core_abi.pred_wait_fast_shape:
+        its buffer checked): answered now if its batch ran, else once it does, straight into
+        the fiber's slot. The ticket ends as SystemCalls.pred_wait ends it (on an error too).
+        None (an unknown ticket, another kind of answer, the rate check due): the ordinary way."""
+        ticket, calls, usage = args[0], self.syscalls, self.usage
+        request = calls.tickets.get(ticket)
+        if request is None or request.want.__class__ is not Sample or usage.hostcalls + 1 >= usage.check_at:
+            return None
+        usage.hostcalls += 1
+        future = request.future
+        if future.done():
+            del calls.tickets[ticket]
+            fiber.answer_fast_call(_answer_value(self, *future.outcome()))
+            return True
+        answer = _DecodeAnswer(self, ticket)
+        self._decoding = answer
+        self.state = ProcessState.BLOCKED_ON_PRED
+        future.add_done_callback(answer.settled)
         return False
 
     def _fits_last_page(self, kv: int) -> bool:
@@ -376,26 +423,35 @@ class Process:
             self._on_exit(self)
 
 
+def _answer_value(process: Process, result, error: BaseException | None) -> int:
+    """What `pred` or `pred_wait` of a sampled token returns: the token, or the error's code."""
+    if error is None:
+        return result.token
+    if isinstance(error, SymphonyError):
+        return int(process.syscalls.error_code(error))
+    # A host bug (a failed forward, say): logged, as finish_block logs it.
+    log.error("pid %s: a decode step failed: %s: %s", process.pid, type(error).__name__, error)
+    return int(ErrorCode.INTERNAL)
+
+
 class _DecodeAnswer:
-    """What the engine answers a fast decode step through (Process._fast_pred), in place of a
-    PredFuture: the sampled token, or the error's code as `pred` returns it, straight into the
-    fiber's slot; then the process is woken. Runs on the engine's thread."""
+    """How a fast decode step's answer reaches its guest (Process._fast_pred, _fast_pred_wait):
+    the engine settles it in place of a PredFuture (or a ticket's future calls `settled`), the
+    value goes straight into the fiber's slot, and the process is woken. Runs on the engine's
+    thread. `ticket`: the pred_wait's ticket, ended when the process resumes (0: none)."""
 
-    __slots__ = ("process", "done")
+    __slots__ = ("process", "ticket", "done")
 
-    def __init__(self, process: Process):
+    def __init__(self, process: Process, ticket: int = 0):
         self.process = process
+        self.ticket = ticket
         self.done = False
 
     def settle(self, result, error: BaseException | None) -> None:
         process = self.process
-        if error is None:
-            value = result.token
-        elif isinstance(error, SymphonyError):
-            value = int(process.syscalls.error_code(error))
-        else:  # a host bug (a failed forward, say): logged, as finish_block logs it
-            log.error("pid %s: a decode step failed: %s: %s", process.pid, type(error).__name__, error)
-            value = int(ErrorCode.INTERNAL)
-        process._fiber.answer_fast_call((value,))
+        process._fiber.answer_fast_call(_answer_value(process, result, error))
         self.done = True  # after the answer: the worker polls the guest once it sees this
         process.wake(process)
+
+    def settled(self, future) -> None:
+        self.settle(*future.outcome())

@@ -104,9 +104,18 @@ _POLL_FINISHED, _POLL_CALLED, _POLL_FAST_CALL = 1, 2, 3  # sym_fiber_poll's answ
 _BLOCKING_CALL = ctypes.cast(_native.sym_fiber_blocking_call, _vp).value
 _SYNC_CALL = ctypes.cast(_native.sym_fiber_sync_call, _vp).value
 
-MAX_BLOCKING_ARGS, MAX_RESULTS, MAX_PREFETCHED_OBJECTS = 16, 4, 8
+MAX_BLOCKING_ARGS, MAX_RESULTS, MAX_PREFETCHED_OBJECTS, MAX_FAST_CALLS = 16, 4, 8, 4
+_NONE = 2**64 - 1  # fiber_native.c's SYM_FAST_NONE
 _VALUE_BYTES = 32  # a wasmtime_val_t: the kind byte, then the value at offset 8
 _MEMORY_HANDLE_BYTES = ctypes.sizeof(ffi.wasmtime_memory_t)
+
+
+class _FastShape(ctypes.Structure):
+    """fiber_native.c's sym_fast_call: a FastCall as C checks it."""
+
+    _fields_ = [("function", ctypes.c_uint64), ("fixed_mask", ctypes.c_uint64), ("nonnegative_mask", ctypes.c_uint64),
+                ("fixed", ctypes.c_int32 * MAX_BLOCKING_ARGS), ("read_arg", ctypes.c_uint64),
+                ("read_bound", ctypes.c_uint64), ("span_arg", ctypes.c_uint64), ("span_scale", ctypes.c_uint64)]
 
 
 class _Slot(ctypes.Structure):
@@ -120,17 +129,15 @@ class _Slot(ctypes.Structure):
                 ("answer", ctypes.c_uint8 * (_VALUE_BYTES * MAX_RESULTS)), ("stack", _vp),
                 ("host_objects", _vp * MAX_PREFETCHED_OBJECTS),
                 ("host_object_bytes", ctypes.c_uint64 * MAX_PREFETCHED_OBJECTS),
-                ("fast_function", ctypes.c_uint64), ("fast_fixed_mask", ctypes.c_uint64),
-                ("fast_nonnegative_mask", ctypes.c_uint64), ("fast_fixed", ctypes.c_int32 * MAX_BLOCKING_ARGS),
-                ("fast_read_arg", ctypes.c_uint64), ("fast_read_bound", ctypes.c_uint64),
-                ("fast_span_arg", ctypes.c_uint64), ("fast_span_scale", ctypes.c_uint64),
-                ("fast_memory", _vp), ("fast_memory_handle", ctypes.c_uint8 * _MEMORY_HANDLE_BYTES),
+                ("fast", _FastShape * MAX_FAST_CALLS), ("fast_memory", _vp),
+                ("fast_memory_handle", ctypes.c_uint8 * _MEMORY_HANDLE_BYTES), ("fast_index", ctypes.c_uint64),
                 ("fast_value", ctypes.c_int64)]
 
 
 def _check_slot_layout() -> None:
     names = [name for name, _ in _Slot._fields_]
     declared = [ctypes.sizeof(_Slot), *(getattr(_Slot, name).offset for name in names),
+                ctypes.sizeof(_FastShape), _FastShape.fixed.offset, _FastShape.read_arg.offset, MAX_FAST_CALLS,
                 MAX_BLOCKING_ARGS, MAX_RESULTS, MAX_PREFETCHED_OBJECTS, _VALUE_BYTES, _MEMORY_HANDLE_BYTES]
     native = (ctypes.c_uint32 * len(declared))()
     count = _native.sym_fiber_slot_layout(native, len(declared))
@@ -144,11 +151,14 @@ _native.sym_fiber_slot_layout.argtypes = [ctypes.POINTER(ctypes.c_uint32), ctype
 _check_slot_layout()
 # The slot as 64-bit words, for the fields a round touches (a memoryview index is ~30 ns; a
 # Structure attribute several times that): each word's index, from _Slot's offsets.
-_FUTURE, _CONTEXT, _FUNCTION, _CALLER, _ANSWERED, _TRAP, _FAST_VALUE = (
+_FUTURE, _CONTEXT, _FUNCTION, _CALLER, _ANSWERED, _TRAP, _FAST_INDEX, _FAST_VALUE = (
     getattr(_Slot, name).offset // 8
-    for name in ("future", "context", "function", "caller", "answered", "trap", "fast_value"))
+    for name in ("future", "context", "function", "caller", "answered", "trap", "fast_index", "fast_value"))
 _HOST_OBJECTS, _HOST_OBJECT_BYTES = _Slot.host_objects.offset // 8, _Slot.host_object_bytes.offset // 8
 _ARGS_OFFSET, _ANSWER_OFFSET = _Slot.args.offset, _Slot.answer.offset
+# A fast call's one i32 result, as two words of the slot's first answer value: its kind (i32 is
+# 0) with the padding, then the value (a wasmtime_val_t: the kind byte, the value at offset 8).
+_ANSWER_KIND, _ANSWER_VALUE = _ANSWER_OFFSET // 8, _ANSWER_OFFSET // 8 + 1
 # Where an object's memory starts, before its id(): CPython's GC header (16 bytes) and, for an
 # instance with a __dict__, the two words before that. And the most prefetched of one object
 # (its first lines: a large object's size would be fetched on every poll).
@@ -298,13 +308,15 @@ class FastCall:
     `fixed` arguments (index -> value) equal, those in `nonnegative` >= 0, an output buffer at
     args[span_arg] of span_scale * args[span_arg + 1] bytes inside the guest's memory, and the
     i32 at the address in args[read_arg] inside memory and in [0, read_bound): that value is
-    what the handler gets. Anything else is an ordinary call."""
+    what the handler gets (0 without `read_arg`). Anything else is an ordinary call."""
 
     __slots__ = ("module", "name", "fixed", "nonnegative", "read_arg", "read_bound", "span_arg", "span_scale")
 
-    def __init__(self, module: str, name: str, fixed: dict[int, int], nonnegative: Sequence[int], read_arg: int,
-                 read_bound: int, span_arg: int, span_scale: int):
-        if not all(0 <= i < MAX_BLOCKING_ARGS for i in (*fixed, *nonnegative, read_arg, span_arg, span_arg + 1)):
+    def __init__(self, module: str, name: str, fixed: dict[int, int], nonnegative: Sequence[int] = (),
+                 read_arg: int | None = None, read_bound: int = 0, span_arg: int | None = None, span_scale: int = 1):
+        used = (*fixed, *nonnegative, *(() if read_arg is None else (read_arg,)),
+                *(() if span_arg is None else (span_arg, span_arg + 1)))
+        if not all(0 <= i < MAX_BLOCKING_ARGS for i in used):
             raise ValueError(f"a fast call's arguments are among the first {MAX_BLOCKING_ARGS}")
         self.module, self.name = module, name
         self.fixed, self.nonnegative = dict(fixed), tuple(nonnegative)
@@ -457,8 +469,15 @@ def _handle_sync_call(key):
     pointer. Never raises."""
     function, call, fiber = _FUNCTIONS.get(key), None, _polling.fiber
     try:
-        call = HostCall(fiber._fields[_CALLER], fiber)
-        view = fiber._view
+        view, fields = fiber._view, fiber._fields
+        if fields[_FAST_INDEX]:  # a fast call (Fiber.set_fast_call): its handler first
+            value = fiber._fast[fields[_FAST_INDEX] - 1][1](fiber, function.params.read(view, _ARGS_OFFSET),
+                                                           fields[_FAST_VALUE])
+            if value is not None:
+                fields[_ANSWER_KIND] = 0
+                fields[_ANSWER_VALUE] = value & 0xFFFFFFFF
+                return 0
+        call = HostCall(fields[_CALLER], fiber)
         values = function.handler(call, function.params.read(view, _ARGS_OFFSET))
         function.results.write(view, _ANSWER_OFFSET, values, function.qualified_name)
         return 0
@@ -661,7 +680,7 @@ class Fiber:
         self._error_slot = ctypes.POINTER(ffi.wasmtime_error_t)()
         self._future = _address(start(ctypes.byref(self._trap_slot), ctypes.byref(self._error_slot)))
         self._fields[_FUTURE] = self._future
-        self._fast: tuple[_HostFunction, Callable] | None = None  # set_fast_call's
+        self._fast: list | None = None  # set_fast_call's (function, handler) by shape
         self.prefetch_with(())
         _STORES_IN_CALL.add(id(store))
 
@@ -686,48 +705,64 @@ class Fiber:
                 0 if item is None else min(_OBJECT_PREFIX + sys.getsizeof(item), _MAX_OBJECT_BYTES)
 
     def set_fast_call(self, shape: FastCall, linker: AsyncLinker, memory: wasmtime.Memory,
-                      handler: Callable[["Fiber", tuple, int], "bool | None"]) -> None:
-        """Take the guest's calls of `shape` (a blocking function of `linker`) through
+                      handler: Callable[["Fiber", tuple, int], "int | bool | None"]) -> None:
+        """Take the guest's calls of `shape` (a function of `linker` with one i32 result) through
         `handler(fiber, args, value)` (`value`: the i32 that FastCall reads), with no HostCall
-        and nothing decoded twice. The handler returns None to send the call the ordinary way
-        (its handler then runs as for any call), True once it answered with `answer_fast_call`
-        (the guest runs on), or False: the guest waits until `answer_fast_call` is called
-        (from any thread). It must not raise. `memory` is the guest's memory export."""
+        and nothing decoded twice; at most MAX_FAST_CALLS shapes a fiber. The handler returns
+        None to send the call the ordinary way (its own handler then runs as for any call). For
+        a blocking function it returns True once it answered with `answer_fast_call` (the guest
+        runs on), or False: the guest waits until `answer_fast_call` is called (from any
+        thread). For one that never blocks it returns the result. It must not raise. `memory`
+        is the guest's memory export."""
         key = linker.keys[(shape.module, shape.name)]
         function = _FUNCTIONS[key]
-        slot = self._slot
-        slot.fast_fixed_mask = sum(1 << i for i in shape.fixed)
-        slot.fast_nonnegative_mask = sum(1 << i for i in shape.nonnegative)
-        for index, value in shape.fixed.items():
-            slot.fast_fixed[index] = value
-        slot.fast_read_arg, slot.fast_read_bound = shape.read_arg, shape.read_bound
-        slot.fast_span_arg, slot.fast_span_scale = shape.span_arg, shape.span_scale
-        slot.fast_memory = memory_location(self._fields[_CONTEXT], memory._memory)[0]
-        ctypes.memmove(slot.fast_memory_handle, ctypes.byref(memory._memory), _MEMORY_HANDLE_BYTES)
-        self._fast = (function, handler)
-        slot.fast_function = key  # last: C recognises the call from now on
+        if function.results.kinds != (0,):
+            raise ValueError(f"{function.qualified_name}: a fast call returns one i32")
+        used = [index for index in range(MAX_FAST_CALLS) if self._slot.fast[index].function not in (0, key)]
+        if len(used) == MAX_FAST_CALLS:
+            raise ValueError(f"a fiber takes at most {MAX_FAST_CALLS} fast calls")
+        index = next(i for i in range(MAX_FAST_CALLS) if i not in used)
+        arity = len(function.params.kinds)
+        if any(i >= arity for i in (*shape.fixed, *shape.nonnegative)) or \
+                (shape.read_arg is not None and shape.read_arg >= arity) or \
+                (shape.span_arg is not None and shape.span_arg + 1 >= arity):
+            raise ValueError(f"{function.qualified_name} takes {arity} arguments")
+        entry = self._slot.fast[index]
+        entry.function = 0
+        entry.fixed_mask = sum(1 << i for i in shape.fixed)
+        entry.nonnegative_mask = sum(1 << i for i in shape.nonnegative)
+        for i, value in shape.fixed.items():
+            entry.fixed[i] = value
+        entry.read_arg = _NONE if shape.read_arg is None else shape.read_arg
+        entry.span_arg = _NONE if shape.span_arg is None else shape.span_arg
+        entry.read_bound, entry.span_scale = shape.read_bound, shape.span_scale
+        self._slot.fast_memory = memory_location(self._fields[_CONTEXT], memory._memory)[0]
+        ctypes.memmove(self._slot.fast_memory_handle, ctypes.byref(memory._memory), _MEMORY_HANDLE_BYTES)
+        if self._fast is None:
+            self._fast = [None] * MAX_FAST_CALLS
+        self._fast[index] = (function, handler)
+        entry.function = key  # last: C recognises the call from now on
 
-    def answer_fast_call(self, values: Sequence[Value]) -> None:
-        """Answer the fast call the guest waits in (`set_fast_call`); the guest runs on at the
-        next poll. Any thread; nothing happens to a fiber closed meanwhile."""
+    def answer_fast_call(self, value: int) -> None:
+        """Answer the blocking fast call the guest waits in (`set_fast_call`) with its i32; the
+        guest runs on at the next poll. Any thread; nothing happens to a fiber closed meanwhile."""
         if self._future is None:
             return
-        function = self._fast[0]
-        try:
-            function.results.write(self._view, _ANSWER_OFFSET, values, function.qualified_name)
-        except BaseException as error:  # (values of the wrong count or type: a host bug)
-            self._fields[_TRAP] = _new_trap(_failure_message(function, error))
-        self._fields[_ANSWERED] = 1
+        fields = self._fields
+        fields[_ANSWER_KIND] = 0
+        fields[_ANSWER_VALUE] = value & 0xFFFFFFFF
+        fields[_ANSWERED] = 1
 
     def _take_fast_call(self) -> bool:
-        """The fast call the guest just made (fiber_native.c recognised its shape): through its
-        handler, else the ordinary way. True if answered at once (the guest runs on)."""
-        function, handler = self._fast
+        """The blocking fast call the guest just made (fiber_native.c recognised its shape):
+        through its handler, else the ordinary way. True if answered at once (the guest runs on)."""
+        fields = self._fields
+        function, handler = self._fast[fields[_FAST_INDEX] - 1]
         try:
-            taken = handler(self, function.params.read(self._view, _ARGS_OFFSET), self._fields[_FAST_VALUE])
+            taken = handler(self, function.params.read(self._view, _ARGS_OFFSET), fields[_FAST_VALUE])
         except BaseException as error:  # (a host bug: the guest traps, as in _take_call)
-            self._fields[_TRAP] = _trap_for(function, error)
-            self._fields[_ANSWERED] = 1
+            fields[_TRAP] = _trap_for(function, error)
+            fields[_ANSWERED] = 1
             return True
         return self._take_call() if taken is None else taken
 

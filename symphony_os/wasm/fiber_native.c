@@ -29,6 +29,8 @@
 #define SYM_FIBER_MAX_RESULTS 4
 #define SYM_FIBER_HOST_OBJECTS 8
 #define SYM_FIBER_MEMORY_HANDLE 24
+#define SYM_FIBER_FAST_CALLS 4
+#define SYM_FAST_NONE ((uint64_t)-1)
 
 typedef struct { /* wasmtime_val_t: a kind byte, then the value at offset 8 */
     uint8_t kind;
@@ -41,6 +43,18 @@ typedef struct { /* wasmtime_async_continuation_t */
     void *env;
     void (*finalizer)(void *env);
 } sym_continuation;
+
+/* A fast call's shape (fiber.py's FastCall). Unused entries have function 0. */
+typedef struct {
+    uint64_t function;            /* the host function's key */
+    uint64_t fixed_mask;          /* bit i: args[i] must equal fixed[i] */
+    uint64_t nonnegative_mask;    /* bit i: args[i] must be >= 0 */
+    int32_t fixed[SYM_FIBER_MAX_ARGS];
+    uint64_t read_arg;            /* the argument holding the address of an i32 to read (NONE: none) */
+    uint64_t read_bound;          /* which must be in [0, bound) */
+    uint64_t span_arg;            /* an output buffer: args[span] + span_scale * args[span + 1] in memory (NONE: none) */
+    uint64_t span_scale;
+} sym_fast_call;
 
 /* One per fiber, owned by fiber.py's Fiber (its _Slot declares the same layout). */
 typedef struct {
@@ -62,19 +76,13 @@ typedef struct {
        addresses and sizes, for prefetch_slot; unused entries are null. */
     const char *host_objects[SYM_FIBER_HOST_OBJECTS];
     uint64_t host_object_bytes[SYM_FIBER_HOST_OBJECTS];
-    /* The fast call (fiber.py's `Fiber.set_fast_call`): one blocking function whose common
-       shape C recognises, so that Python takes it without decoding it (see fast_shape). */
-    uint64_t fast_function;       /* its key; 0: none */
-    uint64_t fast_fixed_mask;     /* bit i: args[i] must equal fast_fixed[i] */
-    uint64_t fast_nonnegative_mask; /* bit i: args[i] must be >= 0 */
-    int32_t fast_fixed[SYM_FIBER_MAX_ARGS];
-    uint64_t fast_read_arg;       /* the argument holding the address of an i32 to read */
-    uint64_t fast_read_bound;     /* which must be in [0, bound) */
-    uint64_t fast_span_arg;       /* an output buffer: args[span] + span_scale * args[span + 1] in memory */
-    uint64_t fast_span_scale;
+    /* The fast calls (fiber.py's `Fiber.set_fast_call`): host functions whose common shape C
+       recognises, so that Python takes them without decoding them (see fast_match). */
+    sym_fast_call fast[SYM_FIBER_FAST_CALLS];
     const uint8_t *fast_memory;   /* the guest memory's base (it never moves) */
     uint8_t fast_memory_handle[SYM_FIBER_MEMORY_HANDLE]; /* its wasmtime_memory_t, for its size now */
-    int64_t fast_value;           /* the i32 read, once recognised */
+    uint64_t fast_index;          /* the call just recorded: 1 + the index of its fast shape, or 0 */
+    int64_t fast_value;           /* the i32 that shape reads, once recognised */
 } sym_fiber_slot;
 
 typedef bool (*future_poll_fn)(void *future);
@@ -111,12 +119,10 @@ unsigned sym_fiber_slot_layout(uint32_t *out, unsigned cap) {
         offsetof(sym_fiber_slot, answered), offsetof(sym_fiber_slot, nresults), offsetof(sym_fiber_slot, trap),
         offsetof(sym_fiber_slot, args), offsetof(sym_fiber_slot, answer), offsetof(sym_fiber_slot, stack),
         offsetof(sym_fiber_slot, host_objects), offsetof(sym_fiber_slot, host_object_bytes),
-        offsetof(sym_fiber_slot, fast_function), offsetof(sym_fiber_slot, fast_fixed_mask),
-        offsetof(sym_fiber_slot, fast_nonnegative_mask), offsetof(sym_fiber_slot, fast_fixed),
-        offsetof(sym_fiber_slot, fast_read_arg), offsetof(sym_fiber_slot, fast_read_bound),
-        offsetof(sym_fiber_slot, fast_span_arg), offsetof(sym_fiber_slot, fast_span_scale),
-        offsetof(sym_fiber_slot, fast_memory), offsetof(sym_fiber_slot, fast_memory_handle),
-        offsetof(sym_fiber_slot, fast_value),
+        offsetof(sym_fiber_slot, fast), offsetof(sym_fiber_slot, fast_memory),
+        offsetof(sym_fiber_slot, fast_memory_handle), offsetof(sym_fiber_slot, fast_index),
+        offsetof(sym_fiber_slot, fast_value), sizeof(sym_fast_call), offsetof(sym_fast_call, fixed),
+        offsetof(sym_fast_call, read_arg), SYM_FIBER_FAST_CALLS,
         SYM_FIBER_MAX_ARGS, SYM_FIBER_MAX_RESULTS, SYM_FIBER_HOST_OBJECTS, sizeof(sym_val), SYM_FIBER_MEMORY_HANDLE,
     };
     unsigned n = sizeof layout / sizeof layout[0];
@@ -172,35 +178,47 @@ static sym_fiber_slot *record(void *env, void *caller, const sym_val *args, size
     return slot;
 }
 
-/* Is the call just recorded in `slot` its fast call in the shape Python set (fiber.py's
+/* Is the call just recorded in `slot` one of its fast calls, in the shape Python set (fiber.py's
  * `Fiber.set_fast_call`): the fixed arguments equal, the others non-negative where asked, the
  * output buffer and the i32 read inside the guest's memory, the value read within its bound?
- * Then that value goes to `fast_value`. Anything else is an ordinary call, which Python
- * decodes and checks in full: this only ever sends a call the long way. */
-static bool fast_shape(sym_fiber_slot *slot) {
-    if (slot->fast_function == 0 || slot->function != slot->fast_function || memory_data_size == 0)
-        return false;
+ * 1 + the shape's index (the value read in `fast_value`), or 0: an ordinary call, which Python
+ * decodes and checks in full. This only ever sends a call the long way. */
+static uint64_t fast_match(sym_fiber_slot *slot) {
+    const sym_fast_call *shape = 0;
+    uint64_t index = 0;
+    for (; index < SYM_FIBER_FAST_CALLS; index++)
+        if (slot->fast[index].function != 0 && slot->fast[index].function == slot->function) {
+            shape = &slot->fast[index];
+            break;
+        }
+    if (shape == 0 || memory_data_size == 0)
+        return 0;
     int32_t args[SYM_FIBER_MAX_ARGS];
-    for (uint64_t i = 0; i < slot->nargs; i++)
-        args[i] = *(const int32_t *)slot->args[i].of;
     for (uint64_t i = 0; i < slot->nargs; i++) {
-        if ((slot->fast_fixed_mask >> i & 1) && args[i] != slot->fast_fixed[i])
-            return false;
-        if ((slot->fast_nonnegative_mask >> i & 1) && args[i] < 0)
-            return false;
+        args[i] = *(const int32_t *)slot->args[i].of;
+        if ((shape->fixed_mask >> i & 1) && args[i] != shape->fixed[i])
+            return 0;
+        if ((shape->nonnegative_mask >> i & 1) && args[i] < 0)
+            return 0;
     }
     uint64_t size = memory_data_size(slot->context, slot->fast_memory_handle);
-    uint64_t span_end = (uint64_t)(uint32_t)args[slot->fast_span_arg]
-                        + slot->fast_span_scale * (uint64_t)(uint32_t)args[slot->fast_span_arg + 1];
-    uint64_t read_at = (uint64_t)(uint32_t)args[slot->fast_read_arg];
-    if (args[slot->fast_read_arg] < 0 || args[slot->fast_span_arg] < 0 || span_end > size || read_at + 4 > size)
-        return false;
-    const uint8_t *at = slot->fast_memory + read_at; /* little-endian, as wasm is */
-    int32_t value = (int32_t)((uint32_t)at[0] | (uint32_t)at[1] << 8 | (uint32_t)at[2] << 16 | (uint32_t)at[3] << 24);
-    if (value < 0 || (uint64_t)value >= slot->fast_read_bound)
-        return false;
-    slot->fast_value = value;
-    return true;
+    if (shape->span_arg != SYM_FAST_NONE) {
+        int32_t at = args[shape->span_arg], count = args[shape->span_arg + 1];
+        if (at < 0 || count < 0 || (uint64_t)at + shape->span_scale * (uint64_t)count > size)
+            return 0;
+    }
+    slot->fast_value = 0;
+    if (shape->read_arg != SYM_FAST_NONE) {
+        int32_t address = args[shape->read_arg];
+        if (address < 0 || (uint64_t)address + 4 > size)
+            return 0;
+        const uint8_t *at = slot->fast_memory + address; /* little-endian, as wasm is */
+        int32_t value = (int32_t)((uint32_t)at[0] | (uint32_t)at[1] << 8 | (uint32_t)at[2] << 16 | (uint32_t)at[3] << 24);
+        if (value < 0 || (uint64_t)value >= shape->read_bound)
+            return 0;
+        slot->fast_value = value;
+    }
+    return index + 1;
 }
 
 /* wasmtime_func_async_callback_t of every blocking host function (env: the function's key). */
@@ -215,7 +233,8 @@ void sym_fiber_blocking_call(void *env, void *caller, const sym_val *args, size_
     }
     slot->stack = (const char *)__builtin_frame_address(0);
     slot->answered[0] = 0;
-    slot->called = fast_shape(slot) ? 3 : 1;
+    slot->fast_index = fast_match(slot);
+    slot->called = slot->fast_index ? 3 : 1;
     continuation->callback = read_answered;
     continuation->env = slot;
 }
@@ -229,6 +248,7 @@ void *sym_fiber_sync_call(void *env, void *caller, const sym_val *args, size_t n
     sym_fiber_slot *slot = record(env, caller, args, nargs, results, nresults, &trap);
     if (slot == 0)
         return trap;
+    slot->fast_index = fast_match(slot);
     void *failed = sync_handler(slot->function);
     if (failed != 0) {
         slot->trap = 0;
@@ -266,7 +286,7 @@ static void prefetch_slot(const sym_fiber_slot *slot) {
 }
 
 /* Run the fiber's guest on: 1 once its call finished, 2 if it made a blocking call (recorded
- * in the slot), 3 if that call is its fast call (fast_shape; recorded all the same), 0 if it
+ * in the slot), 3 if that call is a fast call (fast_match; recorded all the same), 0 if it
  * waits or yielded. A nonzero `time_slice_ticks` gives it a fresh slice
  * first, which lasts until the (time_slice_ticks + 1)th tick from now. `next`, when not null,
  * is the slot of the fiber the caller polls next: it is prefetched meanwhile (prefetch_slot);

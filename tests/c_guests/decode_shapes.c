@@ -32,6 +32,15 @@ int main(int argc, char **argv) {
     int32_t room[4];
     token = __sym_pred(h, &token, 0, 1, SYM_PRED_SAMPLE, 0, room, 4);  /* fast, with a buffer */
     report("fast-buffer", token);
+    int ticket = __sym_pred_submit(h, &token, 0, 1, SYM_PRED_SAMPLE, 0);  /* the fast pair */
+    token = __sym_pred_wait(ticket, 0, 0);
+    report("submit-wait", token);
+    report("wait-again", __sym_pred_wait(ticket, 0, 0));
+    report("submit-bad-handle", __sym_pred_submit(h + 100, &token, 0, 1, SYM_PRED_SAMPLE, 0));
+    ticket = __sym_pred_submit(h, &token, 0, 1, SYM_PRED_SAMPLE, 0);
+    report("wait-cap-negative", __sym_pred_wait(ticket, room, -1));  /* the ticket stays */
+    token = __sym_pred_wait(ticket, room, 4);
+    report("wait-after", token);
     int32_t position = __sym_kv_len(h);
     report("positions", __sym_pred(h, &token, &position, 1, SYM_PRED_SAMPLE, 0, 0, 0));
     report("cap-negative", __sym_pred(h, &token, 0, 1, SYM_PRED_SAMPLE, 0, room, -1));
