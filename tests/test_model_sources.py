@@ -45,17 +45,20 @@ def test_default_model_is_smollm2_when_its_package_is_installed_else_the_bundled
     assert str(default_model_path()) == "/somewhere/else"
 
 
-def test_a_gguf_is_converted_once_and_read_back_from_the_cache(stories_gguf, tmp_path, monkeypatch):
-    """The first load keeps the converted model in the user's cache, keyed by the file's bytes;
-    later loads read it back (no GGUF parsing) and give the same model; a damaged copy is
-    converted again."""
+def test_a_gguf_is_converted_once_and_read_back_from_the_cache(stories_gguf, tmp_path, monkeypatch, capsys):
+    """The first load keeps the converted model in the user's cache, keyed by the file's bytes,
+    under one progress bar; later loads read it back (no GGUF parsing) and give the same model; a
+    damaged copy is converted again."""
     monkeypatch.setenv("SYMPHONY_CACHE", str(tmp_path / "cache"))
     first = Engine.from_path(stories_gguf, device="cpu", page_size=16, num_pages=64)
+    shown = capsys.readouterr().err
+    assert "converting stories260K.gguf" in shown and "4/4" in shown, shown
+    assert "de-quantizing" not in shown  # transformers' own bar, for the tensors alone
     converted = [c for c in (tmp_path / "cache" / "models").iterdir() if c.is_dir()]
     assert [c.name.startswith("stories260K-") for c in converted] == [True]
     assert (converted[0] / "model.safetensors").is_file() and (converted[0] / "config.json").is_file()
 
-    def no_parsing(path):
+    def no_parsing(path, *_):
         raise AssertionError(f"{path} was parsed again")
 
     monkeypatch.setattr(loader, "_read_gguf", no_parsing)

@@ -174,16 +174,68 @@ def _read_gguf_or_its_conversion(path: Path):
         except Exception as error:  # damaged since (any way: a truncated file, say): converted again
             log.warning("the converted model in %s cannot be read (%s): converting %s again", converted, error, path)
             shutil.rmtree(converted, ignore_errors=True)
-    hf_config, raw, tokenizer = _read_gguf(path)
-    rope_freqs = _gguf_rope_freqs(path)
-    if converted is not None:
-        keep_converted(converted, hf_config, raw, tokenizer, rope_freqs)
+    with _ConversionProgress(path, keeping=converted is not None) as progress:
+        hf_config, raw, tokenizer = _read_gguf(path, progress)
+        rope_freqs = _gguf_rope_freqs(path)
+        if converted is not None:
+            progress.stage("keeping the conversion")
+            keep_converted(converted, hf_config, raw, tokenizer, rope_freqs)
     return hf_config, raw, tokenizer, rope_freqs
 
 
-def _read_gguf(path: Path):
+class _ConversionProgress:
+    """One progress bar for a GGUF's whole conversion (a first load: ~25 s for the default model),
+    a step a stage, in place of transformers' own bars, which covered its tensors' last second."""
+
+    def __init__(self, path: Path, keeping: bool):
+        self.path = path
+        self.stages = 4 if keeping else 3  # config, tensors, tokenizer (and keeping the conversion)
+        self._bar = None
+        self._bars_were_on = True
+        self._reader_bar = None
+
+    def __enter__(self) -> "_ConversionProgress":
+        from tqdm.auto import tqdm
+        from transformers import modeling_gguf_pytorch_utils as gguf_reader
+        from transformers.utils import logging as transformers_logging
+
+        self._bars_were_on = transformers_logging.is_progress_bar_enabled()
+        transformers_logging.disable_progress_bar()
+        # The tensors' loop has a tqdm of its own that ignores that switch: it counts on ours.
+        self._reader_bar = gguf_reader.tqdm
+        gguf_reader.tqdm = self._count_tensors
+        self._bar = tqdm(total=self.stages, desc=f"converting {self.path.name} (once: kept in the cache)",
+                         unit="stage", bar_format="{desc}: {n}/{total}{postfix} [{elapsed}]")
+        return self
+
+    def _count_tensors(self, tensors, **_options):
+        total = f"/{len(tensors)}" if hasattr(tensors, "__len__") else ""
+        for done, tensor in enumerate(tensors, 1):
+            yield tensor
+            self._bar.set_postfix_str(f"tensors {done}{total}")
+
+    def stage(self, name: str) -> None:
+        """Mark the stage before this one done and start `name`."""
+        if self._bar.postfix:
+            self._bar.update(1)
+        self._bar.set_postfix_str(name)
+
+    def __exit__(self, *exc_info) -> None:
+        from transformers import modeling_gguf_pytorch_utils as gguf_reader
+        from transformers.utils import logging as transformers_logging
+
+        gguf_reader.tqdm = self._reader_bar
+        if exc_info[0] is None and self._bar.n < self.stages:
+            self._bar.update(self.stages - self._bar.n)
+        self._bar.close()
+        if self._bars_were_on:
+            transformers_logging.enable_progress_bar()
+
+
+def _read_gguf(path: Path, progress: _ConversionProgress):
     """(transformers config, raw tensors under Hugging Face names, tokenizer) of a GGUF file,
     dequantized by transformers' GGUF support."""
+    progress.stage("config")
     try:
         hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as error:  # a truncated or foreign file fails deep in the parser, any way it likes
@@ -195,7 +247,10 @@ def _read_gguf(path: Path):
         if isinstance(value, int) and not 0 <= value < hf_config.vocab_size:
             setattr(hf_config, name, None)
     try:
-        return hf_config, _gguf_tensors(path, hf_config), _gguf_tokenizer(path)
+        progress.stage("tensors")
+        tensors = _gguf_tensors(path, hf_config)
+        progress.stage("tokenizer")
+        return hf_config, tensors, _gguf_tokenizer(path)
     except Exception as error:
         raise ModelLoadError(f"{path}: cannot read its tensors or tokenizer ({type(error).__name__}: {error})") from error
 

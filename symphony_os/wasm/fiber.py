@@ -25,6 +25,9 @@ ctypes layer (`wasmtime._ffi`). The C API's rules, and what breaking them did:
   thread's own stack and, once the answer is written, raises the byte the call's continuation
   reads (also C). A handler running inside the guest's call, through a ctypes callback on the
   guest's fiber stack, cost three times as much at 1024 guests (see fiber_native.c).
+- A call in a shape the host named (`FastCall`, `Fiber.set_fast_call`: a LIP's decode step) is
+  recognised by C as it is recorded, and its handler gets its arguments and the one value it
+  reads from guest memory already checked, with no HostCall (lip/process.py's `_fast_pred`).
 - The slot (`_Slot`, fiber_native.c's sym_fiber_slot, checked field by field at import) is
   all the memory the two halves share: a call's arguments are copied into it, its answer is
   written into it, and C copies that to wasmtime's own arrays; Python reads and writes no

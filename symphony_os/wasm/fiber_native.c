@@ -19,6 +19,12 @@
  * never blocks runs its handler at once, through one ctypes callback taking the function's key
  * (sym_fiber_sync_call). A poll also prefetches what the caller's next poll will touch.
  *
+ * A few calls come in one shape on almost every token (a LIP's decode step). fiber.py gives a
+ * slot up to four such shapes (sym_fast_call: fixed and non-negative arguments, an output buffer
+ * and one i32 read inside the guest's memory); a call in one of them is flagged as it is recorded
+ * (fast_match), and Python's handler for it skips the decoding and checking that the shape
+ * already guarantees. A call outside them, or one the handler declines, goes the ordinary way.
+ *
  * Built with -nostdlib: it needs no C library, so zig compiles it in a tenth of a second
  * without building one first. wasmtime's functions arrive as pointers (`sym_fiber_init`). */
 #include <stdbool.h>
