@@ -64,6 +64,12 @@ CASES = [
     ("chat_template", [TEXT, 3, 1, OOB, 100], E.BAD_POINTER), ("chat_template", [TEXT, 3, 7, 0, 0], E.INVALID_ARGUMENT),
     ("chat_template", [TEXT, 3, 1, RESULTS, NEG], E.INVALID_ARGUMENT),
     ("chat_template", [TEXT, 3, 1, RESULTS, 100], E.INVALID_ARGUMENT),  # not JSON messages
+    ("grammar_new", [9, TEXT, 3], E.INVALID_ARGUMENT), ("grammar_new", [0, OOB, 100], E.BAD_POINTER),
+    ("grammar_new", [0, TEXT, NEG], E.INVALID_ARGUMENT), ("grammar_new", [0, TEXT, HUGE], E.INVALID_ARGUMENT),
+    ("grammar_new", [0, TEXT, 3], E.INVALID_ARGUMENT),  # "abc": not a JSON schema
+    ("grammar_fork", [NEG], E.BAD_HANDLE), ("grammar_accept", [7, GOOD_IDS, 1], E.BAD_HANDLE),
+    ("grammar_accept", [7, NEG, HUGE], E.INVALID_ARGUMENT), ("grammar_rollback", [HUGE, 1], E.BAD_HANDLE),
+    ("grammar_state", [0], E.BAD_HANDLE), ("grammar_close", [NEG], E.BAD_HANDLE),
     ("eos_ids", [NEG, 4], E.BAD_POINTER), ("eos_ids", [0, NEG], E.INVALID_ARGUMENT),
     ("model_name", [OOB, 100], E.BAD_POINTER),
     ("pred_submit", [77, GOOD_IDS, 0, 1, 0, 0], E.BAD_HANDLE),

@@ -120,9 +120,9 @@ def test_sampling_record_layout_is_the_same_in_every_sdk():
     """The host's struct format, C's field order, Rust's #[repr(C)] struct, AssemblyScript's offsets."""
     from symphony_os.lip.core_abi import SAMPLING_RECORD
 
-    assert SAMPLING_RECORD.format == "<ffiiQiiiii4x" and SAMPLING_RECORD.size == 48
+    assert SAMPLING_RECORD.format == "<ffiiQiiiiii" and SAMPLING_RECORD.size == 48
     fields = ["temperature", "top_p", "top_k", "has_seed", "seed", "allowed", "n_allowed", "bias_ids",
-              "bias_values", "n_bias", "reserved"]
+              "bias_values", "n_bias", "grammar"]
     sizes = [4, 4, 4, 4, 8, 4, 4, 4, 4, 4, 4]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     struct_c = HEADER[HEADER.index("typedef struct sym_sampling {"):HEADER.index("} sym_sampling;")]

@@ -36,6 +36,12 @@
 @external("symphony", "pred_submit") export declare function pred_submit(kv: i32, ids_ptr: usize, positions_ptr: usize, n: i32, kind: i32, arg: i32): i32;
 @external("symphony", "pred_wait") export declare function pred_wait(ticket: i32, out_ptr: usize, cap: i32): i32;
 @external("symphony", "pred") export declare function pred(kv: i32, ids_ptr: usize, positions_ptr: usize, n: i32, kind: i32, arg: i32, out_ptr: usize, cap: i32): i32;
+@external("symphony", "grammar_new") export declare function grammar_new(kind: i32, source_ptr: usize, source_len: i32): i32;
+@external("symphony", "grammar_fork") export declare function grammar_fork(grammar: i32): i32;
+@external("symphony", "grammar_accept") export declare function grammar_accept(grammar: i32, ids_ptr: usize, n: i32): i32;
+@external("symphony", "grammar_rollback") export declare function grammar_rollback(grammar: i32, n: i32): i32;
+@external("symphony", "grammar_state") export declare function grammar_state(grammar: i32): i32;
+@external("symphony", "grammar_close") export declare function grammar_close(grammar: i32): i32;
 @external("symphony", "send") export declare function send(ptr: usize, len: i32): i32;
 @external("symphony", "recv") export declare function recv(out_ptr: usize, cap: i32): i32;
 @external("symphony", "tool") export declare function tool(name_ptr: usize, name_len: i32, input_ptr: usize, input_len: i32, out_ptr: usize, cap: i32): i32;

@@ -66,7 +66,7 @@ typedef struct sym_sampling {
     const int32_t *bias_ids;    /* logit bias: ids ... */
     const float *bias_values;   /* ... and values added to their logits */
     int32_t n_bias;
-    int32_t reserved;
+    int32_t grammar;            /* a grammar handle (sym_grammar_new) the draw keeps to, or 0 */
 } sym_sampling;
 
 _Static_assert(sizeof(sym_sampling) == 48, "sym_sampling is 48 bytes");
@@ -97,6 +97,12 @@ SYM_IMPORT(kv_cache_prefix) int32_t __sym_kv_cache_prefix(int32_t kv);
 SYM_IMPORT(pred_submit) int32_t __sym_pred_submit(int32_t kv, const int32_t *ids, const int32_t *pos, int32_t n, int32_t kind, int32_t arg);
 SYM_IMPORT(pred_wait) int32_t __sym_pred_wait(int32_t ticket, void *out, int32_t cap);
 SYM_IMPORT(pred) int32_t __sym_pred(int32_t kv, const int32_t *ids, const int32_t *pos, int32_t n, int32_t kind, int32_t arg, void *out, int32_t cap);
+SYM_IMPORT(grammar_new) int32_t __sym_grammar_new(int32_t kind, const char *source, int32_t source_len);
+SYM_IMPORT(grammar_fork) int32_t __sym_grammar_fork(int32_t grammar);
+SYM_IMPORT(grammar_accept) int32_t __sym_grammar_accept(int32_t grammar, const int32_t *ids, int32_t n);
+SYM_IMPORT(grammar_rollback) int32_t __sym_grammar_rollback(int32_t grammar, int32_t n);
+SYM_IMPORT(grammar_state) int32_t __sym_grammar_state(int32_t grammar);
+SYM_IMPORT(grammar_close) int32_t __sym_grammar_close(int32_t grammar);
 SYM_IMPORT(send) int32_t __sym_send(const char *msg, int32_t len);
 SYM_IMPORT(recv) int32_t __sym_recv(char *buf, int32_t cap);
 SYM_IMPORT(tool) int32_t __sym_tool(const char *name, int32_t name_len, const char *input, int32_t input_len, char *out, int32_t cap);
@@ -141,6 +147,22 @@ static inline int sym_detokenize(const int32_t *ids, int n, char *out, int cap) 
 static inline int sym_chat_template(const char *messages_json, char *out, int cap) {
     return __sym_chat_template(messages_json, (int32_t)strlen(messages_json), 1, out, cap);
 }
+
+/* Grammars (constrained decoding): a handle from a JSON schema, a regex or a Lark grammar; put
+ * it in a sym_sampling's `grammar` and sym_pred_sample draws only what it allows next. */
+#define SYM_GRAMMAR_JSON_SCHEMA 0
+#define SYM_GRAMMAR_REGEX 1
+#define SYM_GRAMMAR_LARK 2
+#define SYM_GRAMMAR_MAY_END 1  /* sym_grammar_state bits */
+#define SYM_GRAMMAR_MUST_END 2
+static inline int32_t sym_grammar_new(int kind, const char *source) {
+    return __sym_grammar_new(kind, source, (int32_t)strlen(source));
+}
+static inline int32_t sym_grammar_fork(int32_t grammar) { return __sym_grammar_fork(grammar); }
+static inline int32_t sym_grammar_accept(int32_t grammar, const int32_t *ids, int n) { return __sym_grammar_accept(grammar, ids, n); }
+static inline int32_t sym_grammar_rollback(int32_t grammar, int n) { return __sym_grammar_rollback(grammar, n); }
+static inline int32_t sym_grammar_state(int32_t grammar) { return __sym_grammar_state(grammar); }
+static inline int32_t sym_grammar_close(int32_t grammar) { return __sym_grammar_close(grammar); }
 /* For streaming: the bytes of decoded text `text[0..len)` that are settled. A character whose
    tokens have not all come yet decodes as U+FFFD (EF BF BD), one per byte so far, and becomes
    itself once complete: hold such a tail back until it does. */

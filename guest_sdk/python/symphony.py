@@ -20,11 +20,11 @@ from typing import Callable, Iterator
 
 from componentize_py_types import Err
 from wit_world import WitWorld as _World
-from wit_world.imports import inference, io, kv as _kv, model, tokens, tools
+from wit_world.imports import grammars, inference, io, kv as _kv, model, tokens, tools
 from wit_world.imports.errors import ErrorCode
 from wit_world.imports.inference import Prediction_Distribution, Sampling
 
-__all__ = ["SymphonyError", "Distribution", "Kv", "Ticket", "Greedy", "Sampler", "TopK", "program",
+__all__ = ["SymphonyError", "Distribution", "Kv", "Ticket", "Greedy", "Sampler", "TopK", "Grammar", "program",
            "vocab_size", "eos_ids", "bos_id", "model_name", "tokenize", "detokenize", "send", "recv",
            "tool", "generate", "TextStream"]
 
@@ -99,6 +99,52 @@ def chat_template(messages: list[tuple[str, str]], add_generation_prompt: bool =
     return _check(tokens.chat_template, [(role, content) for role, content in messages], add_generation_prompt)
 
 
+# ---- grammars (constrained decoding) ----
+
+class Grammar:
+    """A grammar the host keeps (llguidance): from a JSON schema, a regular expression or a Lark
+    grammar. Give it to a `Sampler` and each token drawn is one it allows next, and moves it on
+    (the end of the sequence comes once it may end). `fork()` copies it (a branch of a beam);
+    `accept(ids)` and `rollback(n)` move it by tokens the program chose or took back."""
+
+    JSON_SCHEMA, REGEX, LARK = 0, 1, 2
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    @classmethod
+    def json_schema(cls, schema: str) -> "Grammar":
+        return cls(_check(grammars.grammar_new, cls.JSON_SCHEMA, schema))
+
+    @classmethod
+    def regex(cls, pattern: str) -> "Grammar":
+        return cls(_check(grammars.grammar_new, cls.REGEX, pattern))
+
+    @classmethod
+    def lark(cls, grammar: str) -> "Grammar":
+        return cls(_check(grammars.grammar_new, cls.LARK, grammar))
+
+    def fork(self) -> "Grammar":
+        return Grammar(_check(grammars.grammar_fork, self.handle))
+
+    def accept(self, ids: list[int]) -> None:
+        _check(grammars.grammar_accept, self.handle, list(ids))
+
+    def rollback(self, n: int) -> None:
+        _check(grammars.grammar_rollback, self.handle, n)
+
+    @property
+    def may_end(self) -> bool:
+        return bool(_check(grammars.grammar_state, self.handle) & 1)
+
+    @property
+    def must_end(self) -> bool:
+        return bool(_check(grammars.grammar_state, self.handle) & 2)
+
+    def close(self) -> None:
+        _check(grammars.grammar_close, self.handle)
+
+
 # ---- what a pred answers ----
 
 @dataclass(frozen=True)
@@ -106,13 +152,13 @@ class Greedy:
     """The most likely token, chosen on the host."""
 
     def want(self) -> inference.Want:
-        return inference.Want_Sample(Sampling(0.0, 1.0, 0, None, None, []))
+        return inference.Want_Sample(Sampling(0.0, 1.0, 0, None, None, [], 0))
 
 
 @dataclass(frozen=True)
 class Sampler:
     """A token sampled on the host: temperature (0: greedy), top-p, top-k (0: off), seed,
-    an allowed-token list (constrained decoding) and logit biases {id: value}."""
+    an allowed-token list and a `Grammar` (constrained decoding), logit biases {id: value}."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -120,10 +166,12 @@ class Sampler:
     seed: int | None = None
     allowed: list[int] | None = None
     bias: dict[int, float] = field(default_factory=dict)
+    grammar: "Grammar | None" = None
 
     def want(self) -> inference.Want:
         return inference.Want_Sample(Sampling(self.temperature, self.top_p, self.top_k, self.seed, self.allowed,
-                                              list(self.bias.items())))
+                                              list(self.bias.items()),
+                                              0 if self.grammar is None else self.grammar.handle))
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,12 @@ pub mod sys {
         pub fn pred_submit(kv: i32, ids_ptr: *const i32, positions_ptr: *const i32, n: i32, kind: i32, arg: i32) -> i32;
         pub fn pred_wait(ticket: i32, out_ptr: *mut u8, cap: i32) -> i32;
         pub fn pred(kv: i32, ids_ptr: *const i32, positions_ptr: *const i32, n: i32, kind: i32, arg: i32, out_ptr: *mut u8, cap: i32) -> i32;
+        pub fn grammar_new(kind: i32, source_ptr: *const u8, source_len: i32) -> i32;
+        pub fn grammar_fork(grammar: i32) -> i32;
+        pub fn grammar_accept(grammar: i32, ids_ptr: *const i32, n: i32) -> i32;
+        pub fn grammar_rollback(grammar: i32, n: i32) -> i32;
+        pub fn grammar_state(grammar: i32) -> i32;
+        pub fn grammar_close(grammar: i32) -> i32;
         pub fn send(ptr: *const u8, len: i32) -> i32;
         pub fn recv(out_ptr: *mut u8, cap: i32) -> i32;
         pub fn tool(name_ptr: *const u8, name_len: i32, input_ptr: *const u8, input_len: i32, out_ptr: *mut u8, cap: i32) -> i32;
@@ -309,7 +315,7 @@ struct SamplingRecord {
     bias_ids: i32,
     bias_values: i32,
     n_bias: i32,
-    reserved: i32,
+    grammar: i32,
 }
 
 impl Sampling {
@@ -332,7 +338,7 @@ impl Sampling {
             bias_ids: self.bias_ids.as_ptr() as i32,
             bias_values: self.bias_values.as_ptr() as i32,
             n_bias: self.bias_ids.len().min(self.bias_values.len()) as i32,
-            reserved: 0,
+            grammar: 0,
         }
     }
 }

@@ -18,6 +18,7 @@ from ..kv.pool import KVPool
 from ..model.attention import select_backend
 from ..model.loader import LoadedModel, load_model
 from .gc_tuning import tune_gc, untune_gc
+from .grammar import Grammar, GrammarCompiler
 from .model_runner import ModelRunner, SequenceInput
 from .pred_future import PredFuture
 from .sampling import GREEDY, GreedyEach, PredResult, Want, process_logits, validate_want
@@ -131,6 +132,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._tokenizer_thread: ThreadPoolExecutor | None = None  # tokenize_later's, made on first use
+        self._grammars: GrammarCompiler | None = None  # grammar()'s, made on first use
         self._counters = dict(batches=0, requests=0, sequences=0, tokens=0, queue_wait_s=0.0, forward_s=0.0)
         self._queue_wait_counts = [0] * (len(QUEUE_WAIT_BUCKETS_S) + 1)
 
@@ -165,6 +167,13 @@ class Engine:
                                                  add_generation_prompt=add_generation_prompt, tokenize=False)
         except Exception as error:  # the template's own complaints (raise_exception), or a broken template
             raise InvalidArgument(f"the chat template refused the messages: {error}") from None
+
+    def grammar(self, kind: int, source: str) -> Grammar:
+        """A grammar for constrained decoding (grammar.py: kind 0 a JSON schema, 1 a regex, 2 a
+        Lark grammar); InvalidArgument when `source` is not one."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.loaded.tokenizer, self.loaded.config.vocab_size)
+        return self._grammars.compile(kind, source)
 
     def tokenize_later(self, text: str, add_special_tokens: bool = True) -> PredFuture:
         """`tokenize` on the engine's tokenizer thread: a future of (token ids, the thread's CPU

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgument
+from .grammar import apply_bitmask, bitmask_words
 
 # TopK rows up to this k take the sampling kernel's top log-probs (one pass over the row per
 # rank); beyond it, torch.topk's radix select costs less.
@@ -66,7 +67,9 @@ class Sample:
     alike). `seed` makes this one draw reproducible (a LIP that
     wants a reproducible sequence passes seed + step); the draw for a seed differs between the
     host and the device path, each is deterministic. `logit_bias` maps token id -> value added
-    to its logit; `allowed_tokens` restricts the choice to those ids (constrained decoding).
+    to its logit; `allowed_tokens` restricts the choice to those ids (constrained decoding);
+    `grammar` to the tokens a grammar allows next (engine/grammar.py), which the token drawn
+    then moves on.
     """
 
     temperature: float = 0.0
@@ -75,6 +78,9 @@ class Sample:
     seed: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict, hash=False)
     allowed_tokens: tuple[int, ...] | None = None
+    # A grammar.Grammar: the token is drawn among those it allows next (and with allowed_tokens,
+    # among both), and moves it on.
+    grammar: object | None = field(default=None, hash=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -198,6 +204,12 @@ def _sample_row(logits: torch.Tensor, want: Sample, generator: torch.Generator) 
         ids = torch.tensor(want.allowed_tokens, device=logits.device)
         masked[ids] = logits[ids]
         logits = masked
+    if want.grammar is not None:
+        bitmask = torch.empty(bitmask_words(logits.numel()), dtype=torch.int32)
+        want.grammar.allowed_bitmask(bitmask)
+        logits = apply_bitmask(logits, bitmask)
+        if not bool(torch.isfinite(logits.max())):
+            raise InvalidArgument("no token can be drawn: every token the grammar allows has a logit of -inf")
     if want.temperature == 0:
         return int(logits.argmax())
     # Relative to the largest: at most 0, so no temperature, however small, overflows (the
@@ -257,7 +269,8 @@ def process_logits_reference(logits: torch.Tensor, wants: list[Want],
                     log_probs = torch.log_softmax(logits, dim=-1)
                 values, ids = top_k_of_row(log_probs[row], want.k)
                 results.append(PredResult(top_ids=ids.tolist(), top_logprobs=values.tolist()))
-            elif want.temperature == 0 and not want.logit_bias and want.allowed_tokens is None:
+            elif (want.temperature == 0 and not want.logit_bias and want.allowed_tokens is None
+                  and want.grammar is None):
                 if greedy is None:  # one argmax over the batch, one transfer
                     greedy = _argmax_rows(logits)
                 results.append(PredResult(token=greedy[row]))
@@ -265,7 +278,10 @@ def process_logits_reference(logits: torch.Tensor, wants: list[Want],
                 generator = default_generator
                 if want.seed is not None:
                     generator = torch.Generator().manual_seed(want.seed)
-                results.append(PredResult(token=_sample_row(logits[row], want, generator)))
+                token = _sample_row(logits[row], want, generator)
+                if want.grammar is not None:
+                    want.grammar.consume(token)
+                results.append(PredResult(token=token))
         except Exception as error:  # one request's failure is its own: the batch's other rows go on
             # Kept without its frames, which hold the batch's logits until the request is answered.
             error.add_note("".join(traceback.format_tb(error.__traceback__)).rstrip())
@@ -295,19 +311,24 @@ def _as_int64(seed: int) -> int:
     return (seed + 2**63) % 2**64 - 2**63
 
 
-def _allowed_bitmask(wants: list[Sample], vocab_size: int) -> np.ndarray:
-    """int32 [rows, ceil(V / 32)]: bit j % 32 of word j // 32 set when token j is allowed."""
+def _allowed_bitmask(wants: list[Sample], vocab_size: int, grammar_masks: list) -> np.ndarray:
+    """int32 [rows, ceil(V / 32)]: bit j % 32 of word j // 32 set when token j is allowed (by
+    `allowed_tokens`, and by the row's grammar mask, when it has one)."""
     words = np.full((len(wants), -(-vocab_size // 32)), 0xFFFFFFFF, dtype=np.uint32)
     for row, want in enumerate(wants):
         if want.allowed_tokens is not None:
             ids = np.asarray(want.allowed_tokens, dtype=np.int64)
             words[row] = 0
             np.bitwise_or.at(words[row], ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+        if grammar_masks[row] is not None:  # and, with allowed tokens, those the grammar allows too
+            words[row] &= grammar_masks[row].numpy().view(np.uint32)
     return words.view(np.int32)
 
 
-def _sample_rows(logits: torch.Tensor, wants: list[Sample], default_generator: torch.Generator):
-    """Token ids [rows] of the Sample rows, drawn by one call of the sampling kernel."""
+def _sample_rows(logits: torch.Tensor, wants: list[Sample], default_generator: torch.Generator,
+                 grammar_masks: list):
+    """Token ids [rows] of the Sample rows, drawn by one call of the sampling kernel
+    (`grammar_masks`: each row's grammar's bitmask, or None)."""
     from ..kernels.sampling import sample  # imports triton: only where a batch needs it
 
     device = logits.device
@@ -326,8 +347,8 @@ def _sample_rows(logits: torch.Tensor, wants: list[Sample], default_generator: t
             bias_values[row, :len(want.logit_bias)] = list(want.logit_bias.values())
         kwargs.update(bias_ids=_upload(bias_ids, torch.int64, device),
                       bias_values=_upload(bias_values, torch.float32, device))
-    if any(want.allowed_tokens is not None for want in wants):
-        kwargs["allowed"] = _upload(_allowed_bitmask(wants, logits.shape[1]), torch.int32, device)
+    if any(want.allowed_tokens is not None or mask is not None for want, mask in zip(wants, grammar_masks)):
+        kwargs["allowed"] = _upload(_allowed_bitmask(wants, logits.shape[1], grammar_masks), torch.int32, device)
     temperatures = [max(w.temperature, FLOAT32_TINY) if w.temperature > 0 else 0.0 for w in wants]
     floats = _upload([temperatures, [w.top_p for w in wants]], torch.float32, device)
     ints = _upload([[w.top_k for w in wants], seeds], torch.int64, device)
@@ -364,11 +385,22 @@ def process_logits_batched(logits: torch.Tensor, wants: list[Want],
         for i, row in enumerate(rows_of[Distribution]):
             results[row].distribution = probs[i]
 
+    # The grammars' masks first, on the host: a grammar that fails fails its row alone.
+    grammar_masks: dict[int, torch.Tensor] = {}
+    for row in [row for row in rows_of[Sample] if wants[row].grammar is not None]:
+        mask = torch.empty(bitmask_words(logits.shape[1]), dtype=torch.int32)
+        try:
+            wants[row].grammar.allowed_bitmask(mask)
+        except Exception as error:
+            results[row].error = error
+            rows_of[Sample].remove(row)
+            continue
+        grammar_masks[row] = mask
     # Everything the host needs goes back in one float64 tensor (ids < 2**53 are exact).
     parts: list[torch.Tensor] = []
     if rows_of[Sample]:
         parts.append(_sample_rows(_rows(logits, rows_of[Sample]), [wants[r] for r in rows_of[Sample]],
-                                  default_generator))
+                                  default_generator, [grammar_masks.get(r) for r in rows_of[Sample]]))
     max_k = max((wants[r].k for r in rows_of[TopK]), default=0)
     if max_k:
         parts.extend(_top_k_rows(_rows(logits, rows_of[TopK]), max_k))
@@ -383,6 +415,11 @@ def process_logits_batched(logits: torch.Tensor, wants: list[Want],
                                               "(NaN, +inf, or every allowed token at -inf)")
         else:
             results[row].token = int(token)
+            if row in grammar_masks:
+                try:
+                    wants[row].grammar.consume(int(token))
+                except Exception as error:
+                    results[row].token, results[row].error = None, error
     top = len(tokens)
     ids_at, logprobs_at = top, top + len(rows_of[TopK]) * max_k
     for i, row in enumerate(rows_of[TopK]):

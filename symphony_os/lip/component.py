@@ -44,7 +44,7 @@ def _drop_distribution(store, rep: int) -> None:
 
 # ---- the system calls, in component values ----
 
-def _want_of(want: Any, vocab_size: int) -> Want:
+def _want_of(want: Any, vocab_size: int, calls: SystemCalls) -> Want:
     if want.tag == "distribution":
         return Distribution()
     if want.tag == "top-k":
@@ -58,7 +58,8 @@ def _want_of(want: Any, vocab_size: int) -> Want:
     # Record fields keep their WIT (kebab-case) names.
     return Sample(temperature=record.temperature, top_p=getattr(record, "top-p"), top_k=getattr(record, "top-k"),
                   seed=record.seed, logit_bias=dict(record.bias),
-                  allowed_tokens=None if allowed is None else tuple(allowed))
+                  allowed_tokens=None if allowed is None else tuple(allowed),
+                  grammar=calls.grammar_for_pred(record.grammar) if record.grammar else None)
 
 
 class ComponentCalls:
@@ -141,7 +142,7 @@ class ComponentCalls:
 
     # inference
     def pred_submit(self, kv: int, ids: list[int], positions: list[int] | None, want) -> int:
-        return self.calls.pred_submit(kv, ids, positions, _want_of(want, self.vocab_size()))
+        return self.calls.pred_submit(kv, ids, positions, _want_of(want, self.vocab_size(), self.calls))
 
     def pred(self, kv: int, ids: list[int], positions: list[int] | None, want):
         return self.pred_wait(self.pred_submit(kv, ids, positions, want))
@@ -219,6 +220,25 @@ class ComponentCalls:
         return int(torch.multinomial(weights, 1, generator=generator))
 
     # I/O
+    # grammars
+    def grammar_new(self, kind: int, source: str) -> int:
+        return self.calls.grammar_new(kind, source)
+
+    def grammar_fork(self, grammar: int) -> int:
+        return self.calls.grammar_fork(grammar)
+
+    def grammar_accept(self, grammar: int, ids: list[int]) -> None:
+        self.calls.grammar_accept(grammar, list(ids))
+
+    def grammar_rollback(self, grammar: int, n: int) -> None:
+        self.calls.grammar_rollback(grammar, n)
+
+    def grammar_state(self, grammar: int) -> int:
+        return self.calls.grammar_state(grammar)
+
+    def grammar_close(self, grammar: int) -> None:
+        self.calls.grammar_close(grammar)
+
     def send(self, text: str) -> None:
         self.calls.send(text.encode("utf-8", "replace"))
 
@@ -265,6 +285,8 @@ INTERFACES: dict[str, dict[str, tuple[Callable, bool]]] = {
         "[method]distribution.logprob": (ComponentCalls.distribution_logprob, False),
         "[method]distribution.sample": (ComponentCalls.distribution_sample, False),
     },
+    "grammars": {name.replace("_", "-"): (getattr(ComponentCalls, name), False) for name in (
+        "grammar_new", "grammar_fork", "grammar_accept", "grammar_rollback", "grammar_state", "grammar_close")},
     "io": {"send": (ComponentCalls.send, False), "recv": (ComponentCalls.recv, True)},
     "tools": {"tool": (ComponentCalls.tool, False)},
 }

@@ -23,7 +23,7 @@ from ..wasm.wit import core_signatures
 from .syscalls import MAX_PATH_BYTES, MAX_TEXT_BYTES, MAX_TOKENS_PER_PRED, SystemCalls, Wait
 
 KIND_DISTRIBUTION, KIND_TOPK, KIND_SAMPLE, KIND_GREEDY_EACH = 0, 1, 2, 3
-SAMPLING_RECORD = struct.Struct("<ffiiQiiiii4x")  # sym_sampling: 48 bytes
+SAMPLING_RECORD = struct.Struct("<ffiiQiiiiii")  # sym_sampling: 48 bytes
 WASI_EBADF, WASI_EFAULT, WASI_EINVAL, WASI_EIO, WASI_ENOTSUP = 8, 21, 28, 29, 58
 # poll_oneoff's records: a subscription (userdata, tag, then a clock's id, timeout, precision and
 # flags, or an fd's number in the id's place) and an event (userdata, error, type, nbytes, flags).
@@ -231,7 +231,7 @@ class CoreCalls:
 
     def _read_sampling(self, mem: GuestMemory, ptr: int) -> Sample:
         (temperature, top_p, top_k, has_seed, seed, allowed_ptr, n_allowed, bias_ids_ptr, bias_values_ptr,
-         n_bias) = SAMPLING_RECORD.unpack(mem.read(ptr, SAMPLING_RECORD.size))
+         n_bias, grammar) = SAMPLING_RECORD.unpack(mem.read(ptr, SAMPLING_RECORD.size))
         vocab = self.calls.vocab_size()
         if not 0 <= n_allowed <= vocab or not 0 <= n_bias <= vocab:
             raise InvalidArgument(f"sampling: n_allowed and n_bias are at most the vocabulary size {vocab}")
@@ -242,7 +242,8 @@ class CoreCalls:
             values = struct.unpack(f"<{n_bias}f", mem.read(bias_values_ptr, 4 * n_bias))
             bias = dict(zip(ids, values))
         return Sample(temperature=temperature, top_p=top_p, top_k=top_k,
-                      seed=seed if has_seed else None, logit_bias=bias, allowed_tokens=allowed)
+                      seed=seed if has_seed else None, logit_bias=bias, allowed_tokens=allowed,
+                      grammar=self.calls.grammar_for_pred(grammar) if grammar else None)
 
     def pred_wait(self, mem: GuestMemory, ticket: int, out_ptr: int, cap: int) -> int | Wait:
         request = self.calls.tickets.get(ticket)
@@ -298,6 +299,33 @@ class CoreCalls:
             return k
         mem.write_i32s(out_ptr, result.tokens)  # GreedyEach
         return len(result.tokens)
+
+    # ---- grammars ----
+
+    def grammar_new(self, mem: GuestMemory, kind: int, source_ptr: int, source_len: int) -> int:
+        if not 0 <= source_len <= MAX_TEXT_BYTES:
+            raise InvalidArgument(f"grammar-new takes at most {MAX_TEXT_BYTES} bytes of source")
+        return self.calls.grammar_new(kind, mem.read_str(source_ptr, source_len))
+
+    def grammar_fork(self, mem: GuestMemory, grammar: int) -> int:
+        return self.calls.grammar_fork(grammar)
+
+    def grammar_accept(self, mem: GuestMemory, grammar: int, ids_ptr: int, n: int) -> int:
+        if not 0 <= n <= MAX_TOKENS_PER_PRED:
+            raise InvalidArgument(f"grammar-accept takes 0 to {MAX_TOKENS_PER_PRED} tokens")
+        self.calls.grammar_accept(grammar, mem.read_i32s(ids_ptr, n))
+        return 0
+
+    def grammar_rollback(self, mem: GuestMemory, grammar: int, n: int) -> int:
+        self.calls.grammar_rollback(grammar, n)
+        return 0
+
+    def grammar_state(self, mem: GuestMemory, grammar: int) -> int:
+        return self.calls.grammar_state(grammar)
+
+    def grammar_close(self, mem: GuestMemory, grammar: int) -> int:
+        self.calls.grammar_close(grammar)
+        return 0
 
     # ---- I/O ----
 

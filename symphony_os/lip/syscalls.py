@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, TypeVar
 
+from ..engine.grammar import Grammar
 from ..engine.pred_future import PredFuture
 from ..engine.sampling import Distribution, GreedyEach, PredResult, Sample, TopK, Want
 from ..engine.scheduler import PredRequest
@@ -26,6 +27,7 @@ log = logging.getLogger("symphony.syscalls")
 MAX_TOKENS_PER_PRED = 1 << 16
 MAX_TEXT_BYTES = 1 << 20
 MAX_CHAT_MESSAGES = 4096  # of one chat-template call
+MAX_GRAMMARS = 64  # open in one process (each holds a matcher's state)
 MAX_PATH_BYTES = 1024  # KVFS names are at most 255 bytes: longer ones are refused there, with the reason
 # Longer texts are tokenized on the engine's tokenizer thread while their process waits: a MiB
 # held the worker, and every process it runs, for 0.5-1.7 s. Shorter ones (~10 ms) are done inline.
@@ -68,7 +70,7 @@ class SystemCalls:
     """The system calls of one process (`process`: its process.Process)."""
 
     __slots__ = ("process", "usage", "engine", "kv", "tickets", "_next_ticket", "prefix_cache", "prefix_files",
-                 "last_limit", "_failures_logged", "host_distribution_bytes")
+                 "last_limit", "_failures_logged", "host_distribution_bytes", "grammars", "_next_grammar")
 
     def __init__(self, process):
         self.process = process
@@ -83,6 +85,8 @@ class SystemCalls:
         self._failures_logged: set[str] = set()  # calls whose unexpected failure was logged
         # What the host holds for the process outside its preds: a component's distributions.
         self.host_distribution_bytes: Callable[[], int] = lambda: 0
+        self.grammars: dict[int, Grammar] = {}  # grammar handles (grammar-new)
+        self._next_grammar = 1
 
     def dispatch(self, name: str, failed: Callable[[ErrorCode], T], run: Callable[..., T], *args) -> T:
         """The one way into a system call, from either ABI: charges the host-call rate limit,
@@ -243,6 +247,10 @@ class SystemCalls:
             check_kv_pages(self.process, kv, len(tokens))
         if isinstance(want, Distribution):
             self._check_distribution_bytes()
+        if want.__class__ is Sample and want.grammar is not None:
+            if want.grammar not in self.grammars.values():
+                raise BadHandle("the sampling record's grammar is not open in this process")
+            self._idle_grammar(next(h for h, g in self.grammars.items() if g is want.grammar))
         request = self.engine.submit_request(self.kv, kv, tokens, positions, want)
         if kv in self.prefix_files:
             self.prefix_files[kv].ids.extend(tokens)
@@ -300,6 +308,55 @@ class SystemCalls:
         if future.done():
             return future.result()
         return Wait("blocked-on-pred", future, future.result)
+
+    # ---- grammars ----
+
+    def grammar_new(self, kind: int, source: str) -> int:
+        """A grammar for constrained decoding (engine/grammar.py); its handle."""
+        if len(self.grammars) >= MAX_GRAMMARS:
+            raise LimitExceeded(f"at most {MAX_GRAMMARS} grammars per process; close those you no longer need")
+        return self._add_grammar(self.engine.grammar(kind, source))
+
+    def _add_grammar(self, grammar: Grammar) -> int:
+        handle = self._next_grammar
+        self._next_grammar += 1
+        self.grammars[handle] = grammar
+        return handle
+
+    def grammar_fork(self, handle: int) -> int:
+        if len(self.grammars) >= MAX_GRAMMARS:
+            raise LimitExceeded(f"at most {MAX_GRAMMARS} grammars per process; close those you no longer need")
+        return self._add_grammar(self._idle_grammar(handle).fork())
+
+    def grammar_accept(self, handle: int, tokens: list[int]) -> None:
+        if len(tokens) > MAX_TOKENS_PER_PRED:
+            raise InvalidArgument(f"grammar-accept takes at most {MAX_TOKENS_PER_PRED} tokens")
+        self._idle_grammar(handle).accept(tokens)
+
+    def grammar_rollback(self, handle: int, count: int) -> None:
+        self._idle_grammar(handle).rollback(count)
+
+    def grammar_state(self, handle: int) -> int:
+        grammar = self._idle_grammar(handle)
+        return int(grammar.accepting) | int(grammar.stopped) << 1
+
+    def grammar_close(self, handle: int) -> None:
+        self._idle_grammar(handle)
+        del self.grammars[handle]
+
+    def grammar_for_pred(self, handle: int) -> Grammar:
+        """The grammar a pred samples under (checked again when it is queued: `_queue`)."""
+        return self._idle_grammar(handle)
+
+    def _idle_grammar(self, handle: int) -> Grammar:
+        """The grammar behind `handle`, unless a pred in flight uses it (the engine moves it on)."""
+        grammar = self.grammars.get(handle)
+        if grammar is None:
+            raise BadHandle(f"grammar {handle} is not open in this process")
+        if any(request.want.__class__ is Sample and request.want.grammar is grammar and not request.future.done()
+               for request in self.tickets.values()):
+            raise InvalidArgument(f"grammar {handle} is in use by a pred in flight: wait for it first")
+        return grammar
 
     # ---- I/O ----
 
