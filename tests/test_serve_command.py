@@ -175,3 +175,11 @@ def test_serve_without_a_model_answers_a_chat_with_the_default_model(monkeypatch
             model=model.id, messages=[{"role": "user", "content": "What is the capital of France?"}],
             max_tokens=20, temperature=0)
         assert model.id == "SmolLM2-135M-Instruct.Q4_1" and "Paris" in answer.choices[0].message.content, answer
+        # Structured output on the default model: JSON its schema accepts (the grammar call).
+        from test_grammar import SCHEMAS, conforms
+
+        schema = SCHEMAS["nested object with required fields"]
+        answer = client.chat.completions.create(
+            model=model.id, messages=[{"role": "user", "content": "Describe Tom's pet as JSON."}], max_tokens=80,
+            temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}})
+        assert conforms(json.loads(answer.choices[0].message.content), schema), answer

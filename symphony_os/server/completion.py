@@ -33,13 +33,17 @@ class CompletionRequest:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # (kind, source) of a grammar every token keeps to (engine/grammar.py's kinds), or None.
+    grammar: tuple[int, str] | None = None
 
     def encode(self) -> bytes:
         head = HEADER.pack(len(self.prompt_ids), self.max_tokens, self.n,
                            -1 if self.logprobs is None else self.logprobs, self.temperature, self.top_p,
                            self.seed is not None, len(self.stop), (self.seed or 0) % 2**64)
         stops = b"".join(struct.pack("<i", len(s.encode())) + s.encode() for s in self.stop)
-        return head + struct.pack(f"<{len(self.prompt_ids)}i", *self.prompt_ids) + stops
+        kind, source = self.grammar if self.grammar is not None else (-1, "")
+        grammar = struct.pack("<ii", kind, len(source.encode())) + source.encode()
+        return head + struct.pack(f"<{len(self.prompt_ids)}i", *self.prompt_ids) + stops + grammar
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@
  * Input, one message (little-endian):
  *   header { i32 n_prompt, max_tokens, n, logprobs (-1: none, else top-k 0..20);
  *            f32 temperature, top_p; i32 has_seed, n_stop; u64 seed }   40 bytes
- *   i32 prompt[n_prompt]; then n_stop times { i32 len; len bytes }
+ *   i32 prompt[n_prompt]; then n_stop times { i32 len; len bytes };
+ *   then { i32 grammar_kind (-1: none), i32 len; len bytes }: a grammar every token keeps to
+ *   (grammar-new's kinds; each branch a fork of it), its text ending once the grammar must end
  * Output, one message per event (i32 words):
  *   FRAME_PROMPT  { tag, n_prompt, cached }          prompt tokens and how many came from the cache
  *   FRAME_TOKEN   { tag, branch, token, f32 logprob, k, i32 ids[k], f32 logprobs[k] }
@@ -53,6 +55,8 @@ typedef struct {
 static request req;
 static const char *stops[MAX_STOPS];
 static int stop_lens[MAX_STOPS];
+static int32_t grammar_kind = -1, grammar_len;
+static const char *grammar_source;
 static float *dist;
 static int vocab;
 /* The prompt's last token and its text: a branch's text is decoded after it and without it, so
@@ -209,6 +213,13 @@ static int read_request(char *buf) {
         stop_lens[s] = len;
         at += len;
     }
+    if (at + 8 > (size_t)got) return -1;
+    memcpy(&grammar_kind, buf + at, 4);
+    memcpy(&grammar_len, buf + at + 4, 4);
+    at += 8;
+    if (grammar_len < 0 || at + (size_t)grammar_len > (size_t)got || (grammar_kind >= 0 && req.logprobs >= 0))
+        return -1;  /* (log-probabilities are sampled here, without the grammar's mask) */
+    grammar_source = buf + at;
     return 0;
 }
 
@@ -237,6 +248,13 @@ int main(void) {
 
     /* One branch: it feeds the rest of the prompt into the root file itself. Several: the
        prompt but its last token goes into the root, each branch forks it and feeds that token. */
+    int32_t grammars[MAX_BRANCHES] = {0};
+    if (grammar_kind >= 0) {
+        grammars[0] = __sym_grammar_new(grammar_kind, grammar_source, grammar_len);
+        if (grammars[0] < 0) return failed("grammar_new", grammars[0]);
+        for (int b = 1; b < req.n; b++)
+            if ((grammars[b] = sym_grammar_fork(grammars[0])) < 0) return failed("grammar_fork", grammars[b]);
+    }
     branch br[MAX_BRANCHES];
     const int32_t *feed[MAX_BRANCHES];
     int feed_len[MAX_BRANCHES];
@@ -275,7 +293,7 @@ int main(void) {
             if (req.logprobs >= 0) {
                 tickets[b] = sym_pred_submit(br[b].kv, feed[b], NULL, feed_len[b]);
             } else {
-                sym_sampling s = {req.temperature, req.top_p, 0, req.has_seed, seed, NULL, 0, NULL, NULL, 0, 0};
+                sym_sampling s = {req.temperature, req.top_p, 0, req.has_seed, seed, NULL, 0, NULL, NULL, 0, grammars[b]};
                 tickets[b] = sym_pred_submit_sample(br[b].kv, feed[b], NULL, feed_len[b], &s);
             }
             live++;
@@ -307,6 +325,9 @@ int main(void) {
             if (stop_at >= 0) {
                 br[b].done = 1;
                 finish(b, FINISH_STOP, stop_at);
+            } else if (grammars[b] && (sym_grammar_state(grammars[b]) & SYM_GRAMMAR_MUST_END)) {
+                br[b].done = 1;  /* the grammar is complete: nothing but the end could follow */
+                finish(b, FINISH_STOP, -1);
             } else if (br[b].len == req.max_tokens) {
                 br[b].done = 1;
                 finish(b, FINISH_LENGTH, -1);

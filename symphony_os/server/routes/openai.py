@@ -22,7 +22,8 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ...errors import InvalidArgument
+from ...engine.grammar import GrammarKind
+from ...errors import InvalidArgument, SymphonyError
 from ..completion import (MAX_BRANCHES, MAX_STOPS, MAX_TOP_LOGPROBS, BranchText, CompletionFailed, CompletionRequest,
                          FinishEvent, PromptInfo, TokenEvent, run_completion)
 from ..metrics import OPENAI
@@ -58,7 +59,7 @@ class OpenAIError(Exception):
 NEUTRAL_VALUES: dict[str, tuple] = {
     "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
     "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
+    "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),
     "top_k": (None, 0, -1), "min_p": (None, 0), "ignore_eos": (None, False), "min_tokens": (None, 0),
     "store": (None, False), "modalities": (None, ["text"]), "service_tier": (None, "auto", "default"),
@@ -99,6 +100,9 @@ class SamplingBody(BaseModel):
     seed: int | None = None
     stream: bool | None = False
     stream_options: dict | None = None
+    # {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": ...,
+    # "schema": {...}, "strict": ...}}: the answer then keeps to the schema (a grammar, engine/grammar.py).
+    response_format: dict | None = None
 
 
 class CompletionBody(SamplingBody):
@@ -212,7 +216,34 @@ def _sampling(state: ServerState, body: SamplingBody, prompt_ids: list[int], max
     for ok, message, param in checks:
         if not ok:
             raise OpenAIError(400, message, param=param)
-    return CompletionRequest(prompt_ids, max_tokens, n, logprobs, temperature, top_p, body.seed, tuple(stop))
+    return CompletionRequest(prompt_ids, max_tokens, n, logprobs, temperature, top_p, body.seed, tuple(stop),
+                             _response_grammar(state, body.response_format, logprobs))
+
+
+def _response_grammar(state: ServerState, response_format: dict | None, logprobs: int | None) -> tuple[int, str] | None:
+    """The grammar (kind, source) a response_format asks for: None for text, a JSON schema
+    (compact JSON, engine/grammar.py) for json_object (any object) and json_schema (its schema,
+    always enforced: `strict` or not). Checked here, so that a bad schema is a 400 naming it."""
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if response_format is None or kind == "text":
+        return None
+    if kind == "json_object":
+        schema: object = {"type": "object"}
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise OpenAIError(400, "response_format.json_schema takes a `schema` object", param="response_format")
+    else:
+        raise OpenAIError(400, "response_format.type must be text, json_object or json_schema", param="response_format")
+    if logprobs is not None:
+        raise OpenAIError(400, "response_format with logprobs is not supported by this server", param="logprobs")
+    source = json.dumps(schema)
+    try:
+        state.engine.grammar(GrammarKind.JSON_SCHEMA, source)
+    except SymphonyError as error:
+        raise OpenAIError(400, f"response_format: {error}", param="response_format") from None
+    return (GrammarKind.JSON_SCHEMA, source)
 
 
 def _as_float32(value: float) -> float:
