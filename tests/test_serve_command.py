@@ -183,3 +183,12 @@ def test_serve_without_a_model_answers_a_chat_with_the_default_model(monkeypatch
             model=model.id, messages=[{"role": "user", "content": "Describe Tom's pet as JSON."}], max_tokens=80,
             temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}})
         assert conforms(json.loads(answer.choices[0].message.content), schema), answer
+        # Function calling: a required call whose arguments fit the function's parameters.
+        weather = {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 20}}}
+        answer = client.chat.completions.create(
+            model=model.id, messages=[{"role": "user", "content": "What is the weather in Paris?"}], max_tokens=40,
+            temperature=0, tool_choice="required",
+            tools=[{"type": "function", "function": {"name": "get_weather", "parameters": weather}}])
+        [call] = answer.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and conforms(json.loads(call.function.arguments), weather), answer

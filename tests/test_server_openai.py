@@ -95,8 +95,13 @@ def test_a_streamed_request_is_measured_in_vllms_metrics(served, api):
      "response_format"),
     (dict(response_format={"type": "yaml"}), "response_format"),
     (dict(response_format={"type": "json_object"}, logprobs=True), "logprobs"),
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]), "tools"),
+    (dict(tools=[{"type": "function", "function": {"name": "no spaces", "parameters": {"type": "object"}}}]),
+     "tools.0"),
     (dict(tool_choice="required"), "tool_choice"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function",
+                                                                              "function": {"name": "g"}}),
+     "tool_choice"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}], logprobs=True), "logprobs"),
     (dict(logit_bias={"5": 10}), "logit_bias"),
     (dict(presence_penalty=0.5), "presence_penalty"),
     (dict(frequency_penalty=-1.0), "frequency_penalty"),
@@ -105,7 +110,7 @@ def test_a_streamed_request_is_measured_in_vllms_metrics(served, api):
     (dict(extra_body={"guided_json": {"type": "object"}}), "guided_json"),
     (dict(extra_body={"ignore_eos": True}), "ignore_eos"),
     (dict(extra_body={"no_such_parameter": 1}), "no_such_parameter"),
-    (dict(messages=[{"role": "user", "content": "hi", "tool_call_id": "x"}]), "messages.0.tool_call_id"),
+    (dict(messages=[{"role": "user", "content": "hi", "audio": "x"}]), "messages.0.audio"),
 ])
 def test_a_parameter_the_server_would_ignore_is_a_400_naming_it(api, params, named):
     """The endpoint never drops a parameter silently (an agent that sends `tools` must not get
@@ -433,3 +438,58 @@ def test_response_format_json_schema_answers_json_the_schema_accepts(api, name):
                                    extra_body={"response_format": {"type": "json_object"}}).choices[0]
     assert whole.text.startswith("{")
     assert whole.finish_reason == "length" or isinstance(json.loads(whole.text), dict)
+
+
+# Small: stories260K's context is 512 tokens, and its tokenizer spends many on JSON.
+WEATHER = {"type": "function", "function": {
+    "name": "weather", "parameters": {"type": "object", "additionalProperties": False, "required": ["unit"],
+                                      "properties": {"unit": {"enum": ["C", "F"]}}}}}
+TIME = {"type": "function", "function": {
+    "name": "time", "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
+                                   "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}
+
+
+def test_tools_with_a_required_or_named_call_answer_tool_calls_whose_arguments_fit(api):
+    """tool_choice "required" or a named function: the answer is a call (a grammar holds it to
+    the functions' schemas), parsed into tool_calls; "none" answers in text; auto either."""
+    from test_grammar import conforms
+
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    answer = api.chat.completions.create(model="stories260K", messages=messages, max_tokens=100, temperature=0.7,
+                                         seed=1, n=2, tools=[WEATHER, TIME], tool_choice="required")
+    for choice in answer.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        [call] = choice.message.tool_calls
+        tool = {"weather": WEATHER, "time": TIME}[call.function.name]
+        assert call.type == "function" and call.id.startswith("call_")
+        assert conforms(json.loads(call.function.arguments), tool["function"]["parameters"]), call
+    named = api.chat.completions.create(model="stories260K", messages=messages, max_tokens=100, temperature=0,
+                                        tools=[WEATHER, TIME],
+                                        tool_choice={"type": "function", "function": {"name": "time"}})
+    [call] = named.choices[0].message.tool_calls
+    assert call.function.name == "time" and json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+    none = api.chat.completions.create(model="stories260K", messages=messages, max_tokens=10, temperature=0,
+                                       tools=[WEATHER], tool_choice="none")
+    assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
+    auto = api.chat.completions.create(model="stories260K", messages=messages, max_tokens=40, temperature=0,
+                                       tools=[WEATHER])
+    message = auto.choices[0].message
+    assert (message.tool_calls is None) != (message.content is None)
+    # Streamed: the call comes whole, in one delta.
+    stream = api.chat.completions.create(model="stories260K", messages=messages, max_tokens=100, temperature=0,
+                                         tools=[WEATHER], tool_choice="required", stream=True)
+    deltas = [chunk.choices[0] for chunk in stream if chunk.choices]
+    [call] = [c for d in deltas for c in (d.delta.tool_calls or [])]
+    assert deltas[-1].finish_reason == "tool_calls"
+    assert conforms(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_a_conversation_with_a_tool_call_and_its_answer_goes_on(api):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "weather", "arguments": '{"unit": "C"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees, sunny"}]
+    answer = api.chat.completions.create(model="stories260K", messages=messages, max_tokens=12, temperature=0,
+                                         tools=[WEATHER], tool_choice="none")
+    assert answer.choices[0].message.content and answer.usage.prompt_tokens > 20

@@ -153,20 +153,28 @@ class Engine:
     def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                      default_template: str | None = None) -> str:
+    def chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                      default_template: str | None = None, tools: list[dict] | None = None) -> str:
         """The messages rendered with the model's own chat template (transformers' sandboxed
-        Jinja), or `default_template` for a model without one; Unsupported when there is
-        neither, InvalidArgument when the template refuses them (roles out of order, say)."""
+        Jinja), or `default_template` for a model without one, with `tools` (OpenAI's function
+        definitions) for a template that shows them; Unsupported when there is neither,
+        InvalidArgument when the template refuses them (roles out of order, say)."""
+        tokenizer = self.loaded.tokenizer
+        template = self.chat_template_source(default_template)
+        try:
+            return tokenizer.apply_chat_template(messages, chat_template=template, tools=tools or None,
+                                                 add_generation_prompt=add_generation_prompt, tokenize=False)
+        except Exception as error:  # the template's own complaints (raise_exception), or a broken template
+            raise InvalidArgument(f"the chat template refused the messages: {error}") from None
+
+    def chat_template_source(self, default_template: str | None = None) -> str:
+        """The model's chat template (Jinja source), else `default_template`; Unsupported when
+        there is neither."""
         tokenizer = self.loaded.tokenizer
         template = getattr(tokenizer, "chat_template", None) or default_template
         if tokenizer is None or not template:
             raise Unsupported("the model has no chat template")
-        try:
-            return tokenizer.apply_chat_template(messages, chat_template=template,
-                                                 add_generation_prompt=add_generation_prompt, tokenize=False)
-        except Exception as error:  # the template's own complaints (raise_exception), or a broken template
-            raise InvalidArgument(f"the chat template refused the messages: {error}") from None
+        return template
 
     def grammar(self, kind: int, source: str) -> Grammar:
         """A grammar for constrained decoding (grammar.py: kind 0 a JSON schema, 1 a regex, 2 a

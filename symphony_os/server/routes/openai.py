@@ -27,6 +27,7 @@ from ...errors import InvalidArgument, SymphonyError
 from ..completion import (MAX_BRANCHES, MAX_STOPS, MAX_TOP_LOGPROBS, BranchText, CompletionFailed, CompletionRequest,
                          FinishEvent, PromptInfo, TokenEvent, run_completion)
 from ..metrics import OPENAI
+from ..tool_calls import ToolError, ToolPlan, parse_call, plan_tools, tools_prompt
 from ..state import ServerState, tenant_of
 from ..tenants import QuotaExceeded, Tenant
 
@@ -59,8 +60,7 @@ class OpenAIError(Exception):
 NEUTRAL_VALUES: dict[str, tuple] = {
     "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
     "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
-    "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),
+    "functions": (None, []), "function_call": (None, "none"),
     "top_k": (None, 0, -1), "min_p": (None, 0), "ignore_eos": (None, False), "min_tokens": (None, 0),
     "store": (None, False), "modalities": (None, ["text"]), "service_tier": (None, "auto", "default"),
     "metadata": (None, {}), "prediction": (None,), "audio": (None,), "reasoning_effort": (None,),
@@ -68,7 +68,9 @@ NEUTRAL_VALUES: dict[str, tuple] = {
     "continue_final_message": (None, False), "add_generation_prompt": (None, True),
 }
 ANY_VALUE = frozenset({"user"})
-MESSAGE_FIELDS = frozenset({"role", "content", "name"})  # `name` goes to the chat template with the message
+# `name` goes to the chat template with the message; `tool_calls` (an assistant's) and
+# `tool_call_id` (a tool's answer) too, or, for a template that does not show tools, as text.
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 
 
 def _refuse_unsupported(body: BaseModel) -> None:
@@ -122,6 +124,11 @@ class ChatBody(SamplingBody):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    # Function calling (tool_calls.py): OpenAI's function definitions, and "none", "auto",
+    # "required" or {"type": "function", "function": {"name": ...}}. One call an answer.
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeBody(BaseModel):
@@ -185,7 +192,7 @@ def served_model_names(state: ServerState) -> tuple[str, ...]:
 
 
 def _sampling(state: ServerState, body: SamplingBody, prompt_ids: list[int], max_tokens: int | None,
-              logprobs: int | None, chat: bool) -> CompletionRequest:
+              logprobs: int | None, chat: bool, plan: ToolPlan | None = None) -> CompletionRequest:
     """The request for the `complete` LIP. Without max_tokens a completion gets 16 tokens (as
     OpenAI's legacy endpoint), a chat answer what the context leaves (as OpenAI and vLLM)."""
     _check_model(state, body.model)
@@ -216,8 +223,18 @@ def _sampling(state: ServerState, body: SamplingBody, prompt_ids: list[int], max
     for ok, message, param in checks:
         if not ok:
             raise OpenAIError(400, message, param=param)
-    return CompletionRequest(prompt_ids, max_tokens, n, logprobs, temperature, top_p, body.seed, tuple(stop),
-                             _response_grammar(state, body.response_format, logprobs))
+    grammar = _response_grammar(state, body.response_format, logprobs)
+    if plan is not None:
+        if grammar is not None:
+            raise OpenAIError(400, "response_format with tools is not supported by this server", param="response_format")
+        if logprobs is not None:
+            raise OpenAIError(400, "logprobs with tools is not supported by this server", param="logprobs")
+        try:
+            state.engine.grammar(*plan.grammar)
+        except SymphonyError as error:
+            raise OpenAIError(400, f"tools: {error}", param="tools") from None
+        grammar = plan.grammar
+    return CompletionRequest(prompt_ids, max_tokens, n, logprobs, temperature, top_p, body.seed, tuple(stop), grammar)
 
 
 def _response_grammar(state: ServerState, response_format: dict | None, logprobs: int | None) -> tuple[int, str] | None:
@@ -251,25 +268,51 @@ def _as_float32(value: float) -> float:
     return struct.unpack("<f", struct.pack("<f", value))[0]
 
 
-def _chat_prompt(state: ServerState, body: ChatBody) -> list[int]:
-    return state.engine.tokenize(_chat_text(state, body.messages, True), add_special_tokens=False)
+def _chat_prompt(state: ServerState, body: ChatBody, plan: ToolPlan | None = None) -> list[int]:
+    return state.engine.tokenize(_chat_text(state, body.messages, True, plan), add_special_tokens=False)
 
 
-def _chat_text(state: ServerState, chat: list[ChatMessage], add_generation_prompt: bool) -> str:
-    """The messages in the model's chat template (FALLBACK_CHAT_TEMPLATE when it has none)."""
+def _chat_text(state: ServerState, chat: list[ChatMessage], add_generation_prompt: bool,
+               plan: ToolPlan | None = None) -> str:
+    """The messages in the model's chat template (FALLBACK_CHAT_TEMPLATE when it has none), with
+    the tools a plan offers. A template that shows tools gets them, and the messages' tool calls
+    and tool answers, as transformers passes them; another gets the tools in a system message
+    and a call as the JSON text the model would have written (tool_calls.py)."""
     if not chat:
         raise OpenAIError(400, "messages must not be empty", param="messages")
+    with_tools = "tools" in state.engine.chat_template_source(FALLBACK_CHAT_TEMPLATE)
     messages = []
-    for message in chat:
+    for index, message in enumerate(chat):
         content = message.content
         if isinstance(content, list):
             if any(part.get("type") != "text" for part in content):
                 raise OpenAIError(400, "only text content parts are supported", param="messages")
             content = "".join(str(part.get("text", "")) for part in content)
-        name = (message.model_extra or {}).get("name")
-        messages.append({"role": message.role, "content": content or ""} | ({"name": name} if name else {}))
+        extra = message.model_extra or {}
+        entry = {"role": message.role, "content": content or ""} | ({"name": extra["name"]} if extra.get("name") else {})
+        if extra.get("tool_call_id") is not None:
+            entry["tool_call_id"] = str(extra["tool_call_id"])
+        calls = extra.get("tool_calls")
+        if calls:
+            try:
+                calls = [{"name": call["function"]["name"], "arguments": json.loads(call["function"]["arguments"])}
+                         for call in calls]
+            except (KeyError, TypeError, ValueError):
+                raise OpenAIError(400, "a tool call is {\"function\": {\"name\": ..., \"arguments\": a JSON string}}",
+                                  param=f"messages.{index}.tool_calls") from None
+            if with_tools:
+                entry["tool_calls"] = [{"type": "function", "function": call} for call in calls]
+            else:
+                entry["content"] = "\n".join(json.dumps(call) for call in calls)
+        messages.append(entry)
+    if plan is not None and not with_tools:
+        if messages[0]["role"] == "system":
+            messages[0] = messages[0] | {"content": messages[0]["content"] + "\n\n" + tools_prompt(plan)}
+        else:
+            messages.insert(0, {"role": "system", "content": tools_prompt(plan)})
     try:
-        return state.engine.chat_template(messages, add_generation_prompt, default_template=FALLBACK_CHAT_TEMPLATE)
+        return state.engine.chat_template(messages, add_generation_prompt, default_template=FALLBACK_CHAT_TEMPLATE,
+                                          tools=plan.tools if plan is not None and with_tools else None)
     except InvalidArgument as error:  # the template's own complaints (roles out of order, ...)
         raise OpenAIError(400, str(error), param="messages") from None
 
@@ -366,20 +409,30 @@ def _completion_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-async def _respond(request: Request, body: SamplingBody, completion: CompletionRequest, chat: bool):
+async def _respond(request: Request, body: SamplingBody, completion: CompletionRequest, chat: bool,
+                   plan: ToolPlan | None = None):
     state: ServerState = request.app.state.symphony
     tenant = tenant_of(request)
     choices = Choices(state, completion, chat)
     created, cid, model = int(time.time()), _completion_id(chat), body.model
     kind = "chat.completion" if chat else "text_completion"
+
+    def message(i: int) -> tuple[dict, str]:
+        """A chat choice's message and finish reason: a tool call when the answer is one."""
+        text, reason = choices.texts[i].text, choices.finish_reasons[i] or "length"
+        call = parse_call(text, plan) if plan is not None else None
+        if call is not None:
+            return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+        return {"role": "assistant", "content": text}, reason
+
     if not body.stream:
         await _unless_gone(request, choices.events(tenant))
         def choice(i: int) -> dict:
-            text, reason = choices.texts[i].text, choices.finish_reasons[i] or "length"
             if chat:
-                return {"index": i, "message": {"role": "assistant", "content": text},
-                        "logprobs": choices.logprobs_json(i), "finish_reason": reason}
-            return {"index": i, "text": text, "logprobs": choices.logprobs_json(i), "finish_reason": reason}
+                answer, reason = message(i)
+                return {"index": i, "message": answer, "logprobs": choices.logprobs_json(i), "finish_reason": reason}
+            return {"index": i, "text": choices.texts[i].text, "logprobs": choices.logprobs_json(i),
+                    "finish_reason": choices.finish_reasons[i] or "length"}
         return {"id": cid, "object": kind, "created": created, "model": model,
                 "choices": [choice(i) for i in range(completion.n)],
                 "usage": _usage(choices.info, choices.completion_tokens)}
@@ -411,7 +464,15 @@ async def _respond(request: Request, body: SamplingBody, completion: CompletionR
             if chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for i in range(completion.n)])
-            async for branch, text, tokens, reason in started():
+            if plan is not None:  # a tool call is known once whole: each answer in one delta at its end
+                async for _ in started():
+                    pass
+                for i in range(completion.n):
+                    answer, reason = message(i)
+                    delta = {"content": answer["content"]} if "tool_calls" not in answer else \
+                        {"tool_calls": [{"index": 0, **answer["tool_calls"][0]}]}
+                    yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}])
+            async for branch, text, tokens, reason in (started() if plan is None else _nothing()):
                 if not text and not tokens and reason is None:
                     continue
                 logprobs = choices.logprobs_json(branch, len(choices.logprobs[branch]) - len(tokens)) if tokens else None
@@ -430,6 +491,11 @@ async def _respond(request: Request, body: SamplingBody, completion: CompletionR
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(sse(), media_type="text/event-stream")
+
+
+async def _nothing() -> AsyncIterator:
+    return
+    yield
 
 
 async def _unless_gone(request: Request, events: AsyncIterator) -> None:
@@ -509,9 +575,13 @@ async def chat_completions(request: Request):
         body: ChatBody = await _parse(request, ChatBody)
         top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        prompt_ids = await asyncio.to_thread(_chat_prompt, state, body)  # templating and tokenizing: off the loop
-        return await _respond(request, body, _sampling(state, body, prompt_ids, max_tokens, top, chat=True),
-                              chat=True)
+        try:
+            plan = plan_tools(body.tools, body.tool_choice)
+        except ToolError as error:
+            raise OpenAIError(400, str(error), param=error.param) from None
+        prompt_ids = await asyncio.to_thread(_chat_prompt, state, body, plan)  # templating and tokenizing: off the loop
+        return await _respond(request, body, _sampling(state, body, prompt_ids, max_tokens, top, chat=True, plan=plan),
+                              chat=True, plan=plan)
     return await _guarded(handle)
 
 
