@@ -102,13 +102,15 @@ def test_a_streamed_request_is_measured_in_vllms_metrics(served, api):
                                                                               "function": {"name": "g"}}),
      "tool_choice"),
     (dict(tools=[{"type": "function", "function": {"name": "f"}}], logprobs=True), "logprobs"),
-    (dict(logit_bias={"5": 10}), "logit_bias"),
-    (dict(presence_penalty=0.5), "presence_penalty"),
-    (dict(frequency_penalty=-1.0), "frequency_penalty"),
-    (dict(extra_body={"top_k": 5}), "top_k"),
+    (dict(logit_bias={"5": 1000}), "logit_bias"),
+    (dict(logit_bias={"not a token": 1}), "logit_bias"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-1.0, logprobs=True), "frequency_penalty"),
+    (dict(extra_body={"top_k": -5}), "top_k"),
+    (dict(extra_body={"min_p": 0.1}), "min_p"),
     (dict(extra_body={"repetition_penalty": 1.2}), "repetition_penalty"),
     (dict(extra_body={"guided_json": {"type": "object"}}), "guided_json"),
-    (dict(extra_body={"ignore_eos": True}), "ignore_eos"),
+    (dict(extra_body={"min_tokens": 99}), "min_tokens"),
     (dict(extra_body={"no_such_parameter": 1}), "no_such_parameter"),
     (dict(messages=[{"role": "user", "content": "hi", "audio": "x"}]), "messages.0.audio"),
 ])
@@ -493,3 +495,30 @@ def test_a_conversation_with_a_tool_call_and_its_answer_goes_on(api):
     answer = api.chat.completions.create(model="stories260K", messages=messages, max_tokens=12, temperature=0,
                                          tools=[WEATHER], tool_choice="none")
     assert answer.choices[0].message.content and answer.usage.prompt_tokens > 20
+
+
+def test_top_k_logit_bias_penalties_ignore_eos_and_min_tokens(served, api):
+    """The sampling options the complete LIP acts on: top_k 1 is greedy at any temperature; a
+    logit bias of +100 makes its token win; a presence penalty keeps a greedy answer from
+    repeating itself; min_tokens holds EOS back and ignore_eos goes past it."""
+    base = dict(model="stories260K", prompt=PROMPT, max_tokens=40)
+    greedy = api.completions.create(**base, temperature=0).choices[0].text
+    top1 = api.completions.create(**base, temperature=1.5, seed=3, extra_body={"top_k": 1}).choices[0].text
+    assert top1 == greedy
+    forced = served.engine.tokenize(" dragon", add_special_tokens=False)[-1]
+    biased = api.completions.create(**base | dict(max_tokens=5), temperature=0, logit_bias={str(forced): 100})
+    assert served.engine.tokenize(biased.choices[0].text, add_special_tokens=False) == [forced] * 5 or \
+        biased.choices[0].text == served.engine.detokenize([forced] * 5)
+    words = greedy.split()
+    assert len(words) > len(set(words))  # the greedy story repeats words ...
+    penalized = api.completions.create(**base, temperature=0, presence_penalty=2.0, frequency_penalty=2.0)
+    ids = served.engine.tokenize(penalized.choices[0].text, add_special_tokens=False)
+    assert penalized.choices[0].text != greedy and len(set(ids)) > 0.8 * len(ids)  # ... the penalized one hardly
+    eos = {str(served.engine.loaded.eos_token_ids[0]): 100}  # EOS made the greedy choice: the answer ends at once
+    ended = api.completions.create(**base, temperature=0, logit_bias=eos).choices[0]
+    assert ended.finish_reason == "stop" and ended.text == ""
+    held = api.completions.create(**base, temperature=0, logit_bias=eos, extra_body={"min_tokens": 5})
+    assert held.usage.completion_tokens == 5 and held.choices[0].finish_reason == "stop"
+    past = api.completions.create(**base | dict(max_tokens=7), temperature=0, logit_bias=eos,
+                                  extra_body={"ignore_eos": True})
+    assert past.usage.completion_tokens == 7 and past.choices[0].finish_reason == "length"

@@ -35,6 +35,12 @@ class CompletionRequest:
     stop: tuple[str, ...] = ()
     # (kind, source) of a grammar every token keeps to (engine/grammar.py's kinds), or None.
     grammar: tuple[int, str] | None = None
+    top_k: int = 0  # 0: off
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
     def encode(self) -> bytes:
         head = HEADER.pack(len(self.prompt_ids), self.max_tokens, self.n,
@@ -43,7 +49,10 @@ class CompletionRequest:
         stops = b"".join(struct.pack("<i", len(s.encode())) + s.encode() for s in self.stop)
         kind, source = self.grammar if self.grammar is not None else (-1, "")
         grammar = struct.pack("<ii", kind, len(source.encode())) + source.encode()
-        return head + struct.pack(f"<{len(self.prompt_ids)}i", *self.prompt_ids) + stops + grammar
+        extras = struct.pack("<iiiffi", self.top_k, int(self.ignore_eos), self.min_tokens, self.presence_penalty,
+                             self.frequency_penalty, len(self.logit_bias))
+        bias = b"".join(struct.pack("<if", token, value) for token, value in self.logit_bias)
+        return head + struct.pack(f"<{len(self.prompt_ids)}i", *self.prompt_ids) + stops + grammar + extras + bias
 
 
 @dataclass(frozen=True)

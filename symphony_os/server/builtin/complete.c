@@ -6,7 +6,12 @@
  *            f32 temperature, top_p; i32 has_seed, n_stop; u64 seed }   40 bytes
  *   i32 prompt[n_prompt]; then n_stop times { i32 len; len bytes };
  *   then { i32 grammar_kind (-1: none), i32 len; len bytes }: a grammar every token keeps to
- *   (grammar-new's kinds; each branch a fork of it), its text ending once the grammar must end
+ *   (grammar-new's kinds; each branch a fork of it), its text ending once the grammar must end;
+ *   then { i32 top_k (0: off), flags (bit 0: ignore EOS), min_tokens; f32 presence_penalty,
+ *          frequency_penalty; i32 n_bias } and n_bias times { i32 id; f32 value }: logit biases,
+ *   to which each branch adds its own penalties (presence: once a token occurred in the branch,
+ *   frequency: for each time) and, before min_tokens, an EOS bias of -FLT_MAX: OpenAI's
+ *   penalties as logit biases the program computes, applied on the host with the draw
  * Output, one message per event (i32 words):
  *   FRAME_PROMPT  { tag, n_prompt, cached }          prompt tokens and how many came from the cache
  *   FRAME_TOKEN   { tag, branch, token, f32 logprob, k, i32 ids[k], f32 logprobs[k] }
@@ -19,6 +24,7 @@
  * full distribution and samples itself (same temperature / top-p semantics).
  * Exit codes: 0 done, 1 a host call failed, 2 malformed request, 3 a host call was refused by
  * a limit or quota (LIMIT_EXCEEDED; the server answers 403). */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -57,6 +63,9 @@ static const char *stops[MAX_STOPS];
 static int stop_lens[MAX_STOPS];
 static int32_t grammar_kind = -1, grammar_len;
 static const char *grammar_source;
+static int32_t top_k, ignore_eos, min_tokens, n_bias;
+static float presence_penalty, frequency_penalty;
+static const char *bias_entries;  /* n_bias { i32 id; f32 value } */
 static float *dist;
 static int vocab;
 /* The prompt's last token and its text: a branch's text is decoded after it and without it, so
@@ -220,7 +229,71 @@ static int read_request(char *buf) {
     if (grammar_len < 0 || at + (size_t)grammar_len > (size_t)got || (grammar_kind >= 0 && req.logprobs >= 0))
         return -1;  /* (log-probabilities are sampled here, without the grammar's mask) */
     grammar_source = buf + at;
+    at += (size_t)grammar_len;
+    int32_t extras[6];
+    if (at + sizeof extras > (size_t)got) return -1;
+    memcpy(extras, buf + at, sizeof extras);
+    at += sizeof extras;
+    top_k = extras[0];
+    ignore_eos = extras[1] & 1;
+    min_tokens = extras[2];
+    memcpy(&presence_penalty, &extras[3], 4);
+    memcpy(&frequency_penalty, &extras[4], 4);
+    n_bias = extras[5];
+    if (top_k < 0 || min_tokens < 0 || n_bias < 0 || n_bias > (1 << 18) || at + 8 * (size_t)n_bias > (size_t)got)
+        return -1;
+    bias_entries = buf + at;
+    if (req.logprobs >= 0 && (top_k || min_tokens || n_bias || presence_penalty != 0 || frequency_penalty != 0))
+        return -1;  /* (log-probabilities are sampled here, from the distribution as it is) */
     return 0;
+}
+
+/* A branch's logit biases for its next draw (`bias` below): the request's, its penalties, and
+ * EOS held back before min_tokens. Dense scratch of the vocabulary's size, reset after use. */
+static float *scratch;
+static uint8_t *touched;
+static int32_t *bias_ids;
+static float *bias_values;
+static int32_t **counts;  /* per branch, per token: times generated (penalties only) */
+
+static int biases_wanted(void) {
+    return n_bias || min_tokens || presence_penalty != 0 || frequency_penalty != 0;
+}
+
+static int bias(int b, const int32_t *ids, int len, int32_t *out_ids, float *out_values) {
+    int n = 0;
+#define TOUCH(t) do { if (!touched[t]) { touched[t] = 1; out_ids[n++] = (t); } } while (0)
+    for (int i = 0; i < n_bias; i++) {
+        int32_t id;
+        float value;
+        memcpy(&id, bias_entries + 8 * i, 4);
+        memcpy(&value, bias_entries + 8 * i + 4, 4);
+        if (id < 0 || id >= vocab) continue;  /* (the server checked them) */
+        TOUCH(id);
+        scratch[id] += value;
+    }
+    if (presence_penalty != 0 || frequency_penalty != 0) {
+        for (int i = 0; i < len; i++) {
+            int32_t t = ids[i];
+            if (t < 0 || t >= vocab || touched[t] == 2) continue;
+            if (!touched[t]) out_ids[n++] = t;
+            touched[t] = 2;  /* its penalty taken once however often it occurs */
+            scratch[t] -= presence_penalty + frequency_penalty * (float)counts[b][t];
+        }
+    }
+    if (len < min_tokens) {
+        int32_t eos[64];
+        int n_eos = __sym_eos_ids(eos, 64);
+        for (int i = 0; i < n_eos && i < 64; i++)
+            if (eos[i] >= 0 && eos[i] < vocab) { TOUCH(eos[i]); scratch[eos[i]] = -FLT_MAX; }
+    }
+#undef TOUCH
+    for (int i = 0; i < n; i++) {
+        out_values[i] = scratch[out_ids[i]];
+        scratch[out_ids[i]] = 0;
+        touched[out_ids[i]] = 0;
+    }
+    return n;
 }
 
 int main(void) {
@@ -248,6 +321,17 @@ int main(void) {
 
     /* One branch: it feeds the rest of the prompt into the root file itself. Several: the
        prompt but its last token goes into the root, each branch forks it and feeds that token. */
+    if (biases_wanted()) {
+        if (vocab <= 0 || vocab > (1 << 18)) return failed("vocab_size", vocab < 0 ? vocab : -1);
+        scratch = calloc((size_t)vocab, sizeof(float));
+        touched = calloc((size_t)vocab, 1);
+        bias_ids = malloc(sizeof(int32_t) * ((size_t)vocab + 1));
+        bias_values = malloc(sizeof(float) * ((size_t)vocab + 1));
+        counts = calloc(MAX_BRANCHES, sizeof(int32_t *));
+        if (!scratch || !touched || !bias_ids || !bias_values || !counts) return out_of_memory();
+        for (int b = 0; b < req.n; b++)
+            if (!(counts[b] = calloc((size_t)vocab, sizeof(int32_t)))) return out_of_memory();
+    }
     int32_t grammars[MAX_BRANCHES] = {0};
     if (grammar_kind >= 0) {
         grammars[0] = __sym_grammar_new(grammar_kind, grammar_source, grammar_len);
@@ -293,7 +377,9 @@ int main(void) {
             if (req.logprobs >= 0) {
                 tickets[b] = sym_pred_submit(br[b].kv, feed[b], NULL, feed_len[b]);
             } else {
-                sym_sampling s = {req.temperature, req.top_p, 0, req.has_seed, seed, NULL, 0, NULL, NULL, 0, grammars[b]};
+                int biased = biases_wanted() ? bias(b, br[b].ids, br[b].len, bias_ids, bias_values) : 0;
+                sym_sampling s = {req.temperature, req.top_p, top_k, req.has_seed, seed, NULL, 0,
+                                  biased ? bias_ids : NULL, biased ? bias_values : NULL, biased, grammars[b]};
                 tickets[b] = sym_pred_submit_sample(br[b].kv, feed[b], NULL, feed_len[b], &s);
             }
             live++;
@@ -313,11 +399,12 @@ int main(void) {
                 if (token < 0) return failed("pred", token);
             }
             if (step == 0 && b == 0 && req.n == 1) sym_kv_cache_prefix(root);
-            if (sym_is_eos(token)) {
+            if (sym_is_eos(token) && !ignore_eos) {
                 br[b].done = 1;
                 finish(b, FINISH_STOP, -1);
                 continue;
             }
+            if (counts) counts[b][token]++;
             br[b].ids[br[b].len++] = token;
             send_token(b, token);
             int stop_at = req.n_stop ? find_stop(&br[b]) : -1;

@@ -58,16 +58,16 @@ class OpenAIError(Exception):
 # `user` (an end-user id for the provider's abuse monitoring) is taken as anything: it asks
 # nothing of the answer.
 NEUTRAL_VALUES: dict[str, tuple] = {
-    "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
-    "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
+    "repetition_penalty": (None, 1), "best_of": (None, 1), "suffix": (None, ""),
     "functions": (None, []), "function_call": (None, "none"),
-    "top_k": (None, 0, -1), "min_p": (None, 0), "ignore_eos": (None, False), "min_tokens": (None, 0),
+    "min_p": (None, 0),
     "store": (None, False), "modalities": (None, ["text"]), "service_tier": (None, "auto", "default"),
     "metadata": (None, {}), "prediction": (None,), "audio": (None,), "reasoning_effort": (None,),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "continue_final_message": (None, False), "add_generation_prompt": (None, True),
 }
 ANY_VALUE = frozenset({"user"})
+MAX_LOGIT_BIAS = 1024
 # `name` goes to the chat template with the message; `tool_calls` (an assistant's) and
 # `tool_call_id` (a tool's answer) too, or, for a template that does not show tools, as text.
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
@@ -105,6 +105,15 @@ class SamplingBody(BaseModel):
     # {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": ...,
     # "schema": {...}, "strict": ...}}: the answer then keeps to the schema (a grammar, engine/grammar.py).
     response_format: dict | None = None
+    # OpenAI's logit_bias ({token id: -100..100}) and penalties (-2..2, applied by the complete LIP
+    # as logit biases from each answer's own tokens), vLLM's top_k (-1 or 0: off), ignore_eos and
+    # min_tokens (EOS held back until then).
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    top_k: int | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
 
 
 class CompletionBody(SamplingBody):
@@ -223,6 +232,7 @@ def _sampling(state: ServerState, body: SamplingBody, prompt_ids: list[int], max
     for ok, message, param in checks:
         if not ok:
             raise OpenAIError(400, message, param=param)
+    extras = _sampling_extras(body, vocab, max_tokens, logprobs)
     grammar = _response_grammar(state, body.response_format, logprobs)
     if plan is not None:
         if grammar is not None:
@@ -234,7 +244,42 @@ def _sampling(state: ServerState, body: SamplingBody, prompt_ids: list[int], max
         except SymphonyError as error:
             raise OpenAIError(400, f"tools: {error}", param="tools") from None
         grammar = plan.grammar
-    return CompletionRequest(prompt_ids, max_tokens, n, logprobs, temperature, top_p, body.seed, tuple(stop), grammar)
+    return CompletionRequest(prompt_ids, max_tokens, n, logprobs, temperature, top_p, body.seed, tuple(stop), grammar,
+                             **extras)
+
+
+def _sampling_extras(body: SamplingBody, vocab: int, max_tokens: int, logprobs: int | None) -> dict:
+    """top_k, logit_bias, the penalties, ignore_eos and min_tokens, checked, as CompletionRequest
+    takes them."""
+    top_k = 0 if body.top_k in (None, -1) else body.top_k
+    presence = body.presence_penalty or 0.0
+    frequency = body.frequency_penalty or 0.0
+    min_tokens = body.min_tokens or 0
+    bias: list[tuple[int, float]] = []
+    for key, value in (body.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < vocab or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise OpenAIError(400, f"logit_bias maps token ids in [0, {vocab}) to values in [-100, 100]",
+                              param="logit_bias")
+        bias.append((token, float(value)))
+    checks = [(0 <= top_k <= vocab, f"top_k must be -1 (off) or in [0, {vocab}]", "top_k"),
+              (len(bias) <= MAX_LOGIT_BIAS, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens", "logit_bias"),
+              (-2 <= presence <= 2, "presence_penalty must be in [-2, 2]", "presence_penalty"),
+              (-2 <= frequency <= 2, "frequency_penalty must be in [-2, 2]", "frequency_penalty"),
+              (0 <= min_tokens <= max_tokens, "min_tokens must be in [0, max_tokens]", "min_tokens")]
+    for ok, message, param in checks:
+        if not ok:
+            raise OpenAIError(400, message, param=param)
+    extras = dict(top_k=top_k, logit_bias=tuple(bias), presence_penalty=float(presence),
+                  frequency_penalty=float(frequency), ignore_eos=bool(body.ignore_eos), min_tokens=min_tokens)
+    if logprobs is not None:
+        asked = [name for name, value in extras.items() if value and name != "ignore_eos"]
+        if asked:
+            raise OpenAIError(400, f"{asked[0]} with logprobs is not supported by this server", param=asked[0])
+    return extras
 
 
 def _response_grammar(state: ServerState, response_format: dict | None, logprobs: int | None) -> tuple[int, str] | None:
