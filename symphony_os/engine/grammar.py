@@ -138,9 +138,9 @@ class GrammarCompiler:
 
 
 def _compact_json_schema(schema: str) -> str:
-    """A JSON schema's grammar without free whitespace between tokens (one space after `:` and
-    `,`, as `json.dumps` writes): with any amount allowed, a model's most likely next token was
-    often another newline, forever. A schema's own "x-guidance" options still win."""
+    """A JSON schema's grammar without free whitespace between tokens (compact JSON, as
+    `json.dumps(separators=(",", ":"))` writes): with any amount allowed, a model's most likely
+    next token was often another newline, forever. A schema's own "x-guidance" options still win."""
     import llguidance
 
     return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
