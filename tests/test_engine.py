@@ -146,10 +146,10 @@ def test_a_row_that_fails_fails_only_its_own_request(tiny_engine, monkeypatch):
     rolled back, and the engine goes on."""
     real = sampling._sample_row
 
-    def sample_row(logits, want, generator):
+    def sample_row(logits, want, generator, grammar_mask=None):
         if want.seed == 13:
             raise RuntimeError("this row's sampling broke")
-        return real(logits, want, generator)
+        return real(logits, want, generator, grammar_mask)
 
     monkeypatch.setattr(sampling, "_sample_row", sample_row)
     kv = tiny_engine.session()

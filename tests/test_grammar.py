@@ -170,3 +170,32 @@ def test_a_python_guest_decodes_under_a_grammar_too(engine):
     text, _, calls = b"".join(out).decode().rpartition("\n")
     assert conforms(json.loads(text), schema), text
     assert calls == "must-end=True again=True refused=yes"
+
+
+def test_the_engine_computes_grammar_masks_while_the_forward_runs(engine, monkeypatch):
+    """The mask of a row sampled under a grammar is computed on a thread of its own during the
+    forward pass, not after it: here the forward waits until the mask is there."""
+    import threading
+
+    from symphony_os.engine.grammar import Grammar
+
+    computed = threading.Event()
+    real_mask, real_run = Grammar.allowed_bitmask, engine.runner.run
+
+    def mask(self, out):
+        real_mask(self, out)
+        computed.set()
+
+    def run(seqs):
+        assert computed.wait(timeout=60), "no mask was computed while the forward ran"
+        return real_run(seqs)
+
+    monkeypatch.setattr(Grammar, "allowed_bitmask", mask)
+    monkeypatch.setattr(engine.runner, "run", run)
+    grammar = engine.grammar(1, "[0-9]{2}")
+    session = engine.session()
+    handle = session.create()
+    token = engine.pred(session, handle, engine.tokenize("Once upon a time", add_special_tokens=False),
+                        want=Sample(grammar=grammar)).token
+    session.close_all()
+    assert re.fullmatch("[0-9]", engine.detokenize([token]).strip())

@@ -18,10 +18,10 @@ from ..kv.pool import KVPool
 from ..model.attention import select_backend
 from ..model.loader import LoadedModel, load_model
 from .gc_tuning import tune_gc, untune_gc
-from .grammar import Grammar, GrammarCompiler
+from .grammar import Grammar, GrammarCompiler, bitmask_words
 from .model_runner import ModelRunner, SequenceInput
 from .pred_future import PredFuture
-from .sampling import GREEDY, GreedyEach, PredResult, Want, process_logits, validate_want
+from .sampling import GREEDY, GreedyEach, PredResult, Sample, Want, process_logits, validate_want
 from .scheduler import BatchPlan, BatchScheduler, PredRequest
 
 # The bounds of the pred queue-wait histogram (EngineStats.queue_wait_counts), in seconds.
@@ -133,6 +133,7 @@ class Engine:
         self._stopping = False
         self._tokenizer_thread: ThreadPoolExecutor | None = None  # tokenize_later's, made on first use
         self._grammars: GrammarCompiler | None = None  # grammar()'s, made on first use
+        self._mask_thread: ThreadPoolExecutor | None = None  # _grammar_masks', made on first use
         self._counters = dict(batches=0, requests=0, sequences=0, tokens=0, queue_wait_s=0.0, forward_s=0.0)
         self._queue_wait_counts = [0] * (len(QUEUE_WAIT_BUCKETS_S) + 1)
 
@@ -343,15 +344,16 @@ class Engine:
     def _run(self, chunks, seqs) -> None:
         started = time.perf_counter()
         try:
-            logits = self.runner.run(seqs)  # a row per finishing chunk; GreedyEach chunks get argmax_each
-            wants = []
+            # A row of logits per chunk that wants them (GreedyEach chunks get argmax_each instead).
+            wants = [chunk.request.want for chunk, seq in zip(chunks, seqs) if seq.wants_logits]
+            masks = self._grammar_masks(wants)  # computed while the forward runs
+            logits = self.runner.run(seqs)
             for chunk, seq in zip(chunks, seqs):
                 if seq.greedy_each:
                     request = chunk.request
                     request.greedy_each = (request.greedy_each or []) + seq.argmax_each
-                elif seq.wants_logits:
-                    wants.append(chunk.request.want)
-            results = process_logits(logits, wants, self._generator) if wants else []
+            results = process_logits(logits, wants, self._generator,
+                                     masks.result() if masks is not None else None) if wants else []
         except Exception as error:  # a failed forward fails its batch, not the engine
             for chunk in chunks:
                 self._finish(chunk.request, error=error)
@@ -372,6 +374,34 @@ class Engine:
                 error = result.error  # its row alone failed (process_logits_reference)
                 finished.append((request, result if error is None else None, error))
         self._finish_all(finished)
+
+    def _grammar_masks(self, wants: list[Want]):
+        """A future of {row: its grammar's allowed-token bitmask, or the grammar's error} for the
+        rows sampled under a grammar, computed on a thread of its own while the forward pass
+        runs (llguidance releases the GIL); None when no row has a grammar. The grammars are
+        the engine's while their preds are in flight (syscalls.py refuses their owners)."""
+        rows = [(row, want.grammar) for row, want in enumerate(wants)
+                if want.__class__ is Sample and want.grammar is not None]
+        if not rows:
+            return None
+        if self._mask_thread is None:
+            with self._queue_mutex:
+                if self._mask_thread is None:
+                    self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="symphony-grammar")
+        vocab = self.loaded.config.vocab_size
+
+        def compute() -> dict[int, torch.Tensor | Exception]:
+            masks: dict[int, torch.Tensor | Exception] = {}
+            for row, grammar in rows:
+                mask = torch.empty(bitmask_words(vocab), dtype=torch.int32)
+                try:
+                    grammar.allowed_bitmask(mask)
+                    masks[row] = mask
+                except Exception as error:  # this row fails alone (process_logits)
+                    masks[row] = error
+            return masks
+
+        return self._mask_thread.submit(compute)
 
     def _finish(self, request: PredRequest, result: PredResult | None = None,
                 error: BaseException | None = None) -> None:

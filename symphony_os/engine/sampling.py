@@ -185,17 +185,31 @@ def _validate_sample(want: Sample, vocab_size: int) -> None:
         raise InvalidArgument("allowed_tokens must not be empty")
 
 
-def process_logits(logits: torch.Tensor, wants: list[Want], default_generator: torch.Generator) -> list[PredResult]:
+def process_logits(logits: torch.Tensor, wants: list[Want], default_generator: torch.Generator,
+                   grammar_masks: dict | None = None) -> list[PredResult]:
     """logits [N, V] float32 (one row per request) -> one PredResult per request. Unseeded
-    draws take their randomness from `default_generator`."""
+    draws take their randomness from `default_generator`. `grammar_masks`: {row: its grammar's
+    bitmask, or the error computing it} computed already (the engine does it during the
+    forward pass); rows not in it compute their own."""
     if logits.is_cuda:
-        return process_logits_batched(logits, wants, default_generator)
-    return process_logits_reference(logits, wants, default_generator)
+        return process_logits_batched(logits, wants, default_generator, grammar_masks)
+    return process_logits_reference(logits, wants, default_generator, grammar_masks)
 
 
 # ---- the host reference ----
 
-def _sample_row(logits: torch.Tensor, want: Sample, generator: torch.Generator) -> int:
+def _grammar_mask(want: Sample, vocab: int, given) -> torch.Tensor:
+    """The row's grammar bitmask: the one computed already (raising its error), else now."""
+    if given is not None:
+        if isinstance(given, Exception):
+            raise given
+        return given
+    mask = torch.empty(bitmask_words(vocab), dtype=torch.int32)
+    want.grammar.allowed_bitmask(mask)
+    return mask
+
+
+def _sample_row(logits: torch.Tensor, want: Sample, generator: torch.Generator, grammar_mask=None) -> int:
     if want.logit_bias:
         ids = torch.tensor(list(want.logit_bias), device=logits.device)
         logits = logits.index_add(0, ids, torch.tensor(list(want.logit_bias.values()), device=logits.device))
@@ -205,9 +219,7 @@ def _sample_row(logits: torch.Tensor, want: Sample, generator: torch.Generator) 
         masked[ids] = logits[ids]
         logits = masked
     if want.grammar is not None:
-        bitmask = torch.empty(bitmask_words(logits.numel()), dtype=torch.int32)
-        want.grammar.allowed_bitmask(bitmask)
-        logits = apply_bitmask(logits, bitmask)
+        logits = apply_bitmask(logits, _grammar_mask(want, logits.numel(), grammar_mask))
         if not bool(torch.isfinite(logits.max())):
             raise InvalidArgument("no token can be drawn: every token the grammar allows has a logit of -inf")
     if want.temperature == 0:
@@ -247,8 +259,8 @@ def _argmax_rows(logits: torch.Tensor) -> list[int]:
     return logits.argmax(dim=-1).tolist()
 
 
-def process_logits_reference(logits: torch.Tensor, wants: list[Want],
-                             default_generator: torch.Generator) -> list[PredResult]:
+def process_logits_reference(logits: torch.Tensor, wants: list[Want], default_generator: torch.Generator,
+                             grammar_masks: dict | None = None) -> list[PredResult]:
     """Row by row on the host, with torch's own ops; seeded draws use torch.Generator(seed). A
     row that raises gets a result holding its `error`, and the other rows are answered."""
     results: list[PredResult] = []
@@ -278,7 +290,7 @@ def process_logits_reference(logits: torch.Tensor, wants: list[Want],
                 generator = default_generator
                 if want.seed is not None:
                     generator = torch.Generator().manual_seed(want.seed)
-                token = _sample_row(logits[row], want, generator)
+                token = _sample_row(logits[row], want, generator, (grammar_masks or {}).get(row))
                 if want.grammar is not None:
                     want.grammar.consume(token)
                 results.append(PredResult(token=token))
@@ -368,8 +380,8 @@ def _top_k_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return out.topk_ids, out.topk_logprobs
 
 
-def process_logits_batched(logits: torch.Tensor, wants: list[Want],
-                           default_generator: torch.Generator) -> list[PredResult]:
+def process_logits_batched(logits: torch.Tensor, wants: list[Want], default_generator: torch.Generator,
+                           given_masks: dict | None = None) -> list[PredResult]:
     """The same answers from batched work on logits' device: one Triton `sample` call for the
     Sample rows, one top-k pass for the TopK rows, one softmax for the Distribution rows, then
     a single device-to-host copy of every token and top-k list. Greedy tokens and top-k lists
@@ -388,14 +400,11 @@ def process_logits_batched(logits: torch.Tensor, wants: list[Want],
     # The grammars' masks first, on the host: a grammar that fails fails its row alone.
     grammar_masks: dict[int, torch.Tensor] = {}
     for row in [row for row in rows_of[Sample] if wants[row].grammar is not None]:
-        mask = torch.empty(bitmask_words(logits.shape[1]), dtype=torch.int32)
         try:
-            wants[row].grammar.allowed_bitmask(mask)
+            grammar_masks[row] = _grammar_mask(wants[row], logits.shape[1], (given_masks or {}).get(row))
         except Exception as error:
             results[row].error = error
             rows_of[Sample].remove(row)
-            continue
-        grammar_masks[row] = mask
     # Everything the host needs goes back in one float64 tensor (ids < 2**53 are exact).
     parts: list[torch.Tensor] = []
     if rows_of[Sample]:
