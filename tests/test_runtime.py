@@ -424,8 +424,8 @@ def test_distribution_lands_in_the_guests_buffer(tiny_engine, offset, processes,
         (drop (call $send (i32.const {out}) (i32.const {4 * vocab})))''')
     batches, process_logits = [], engine_module.process_logits
 
-    def spy(logits, wants, generator):  # which rows' softmax the batch leaves to their callers
-        results = process_logits(logits, wants, generator)
+    def spy(logits, wants, generator, grammar_masks=None):  # which rows' softmax the batch leaves to their callers
+        results = process_logits(logits, wants, generator, grammar_masks)
         batches.append([result.logits is not None for result in results])
         return results
 

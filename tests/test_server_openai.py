@@ -522,3 +522,25 @@ def test_top_k_logit_bias_penalties_ignore_eos_and_min_tokens(served, api):
     past = api.completions.create(**base | dict(max_tokens=7), temperature=0, logit_bias=eos,
                                   extra_body={"ignore_eos": True})
     assert past.usage.completion_tokens == 7 and past.choices[0].finish_reason == "length"
+
+
+def test_several_prompts_in_one_completions_request(api):
+    """A list of prompts: a process each, their choices in prompt order (n each), usage summed,
+    streamed alike; each the same as the prompt's own request."""
+    prompts = [PROMPT, "The little dog"]
+    alone = [api.completions.create(model="stories260K", prompt=p, max_tokens=12, temperature=0) for p in prompts]
+    both = api.completions.create(model="stories260K", prompt=prompts, max_tokens=12, temperature=0, n=2)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert both.usage.completion_tokens == 4 * 12
+    stream = api.completions.create(model="stories260K", prompt=[[1, 2, 3], [1, 5, 9, 12]], max_tokens=6,
+                                    temperature=0, stream=True)
+    texts = {0: "", 1: ""}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    tokens = api.completions.create(model="stories260K", prompt=[1, 2, 3], max_tokens=6, temperature=0)
+    assert texts == {0: tokens.choices[0].text,
+                     1: api.completions.create(model="stories260K", prompt=[1, 5, 9, 12], max_tokens=6,
+                                               temperature=0).choices[0].text}

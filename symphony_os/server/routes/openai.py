@@ -68,6 +68,7 @@ NEUTRAL_VALUES: dict[str, tuple] = {
 }
 ANY_VALUE = frozenset({"user"})
 MAX_LOGIT_BIAS = 1024
+MAX_PROMPTS = 16  # of one /v1/completions request (a process each)
 # `name` goes to the chat template with the message; `tool_calls` (an assistant's) and
 # `tool_call_id` (a tool's answer) too, or, for a template that does not show tools, as text.
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
@@ -450,15 +451,77 @@ class Choices:
                 "top_logprobs": [{text: lp for (_, text), lp in top.items()} for top in tops], "text_offset": offsets}
 
 
+class PromptsChoices:
+    """The choices of several prompts' completions (each its own process) as one request's: the
+    branches of the first prompt, then the second's, ...; their events merged as they come."""
+
+    def __init__(self, parts: list[Choices]):
+        self.parts = parts
+        self.texts = [text for part in parts for text in part.texts]
+        self.logprobs = [events for part in parts for events in part.logprobs]
+        self._owners = [(part, branch) for part in parts for branch in range(part.request.n)]
+
+    @property
+    def finish_reasons(self) -> list[str | None]:
+        return [reason for part in self.parts for reason in part.finish_reasons]
+
+    @property
+    def info(self) -> PromptInfo | None:
+        infos = [part.info for part in self.parts if part.info is not None]
+        return PromptInfo(sum(i.prompt_tokens for i in infos), sum(i.cached_tokens for i in infos)) if infos else None
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(part.completion_tokens for part in self.parts)
+
+    def logprobs_json(self, branch: int, start: int = 0) -> dict | None:
+        part, own = self._owners[branch]
+        return part.logprobs_json(own, start)
+
+    async def events(self, tenant: Tenant) -> AsyncIterator[tuple[int, str, list[TokenEvent], str | None]]:
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(offset: int, part: Choices) -> None:
+            try:
+                async for branch, text, tokens, reason in part.events(tenant):
+                    await queue.put((offset + branch, text, tokens, reason))
+            except Exception as error:  # (a quota's refusal, a failed process): the request's
+                await queue.put(error)
+            finally:
+                await queue.put(done)
+
+        offsets = [sum(p.request.n for p in self.parts[:i]) for i in range(len(self.parts))]
+        tasks = [asyncio.ensure_future(pump(offset, part)) for offset, part in zip(offsets, self.parts)]
+        try:
+            finished = 0
+            while finished < len(tasks):
+                item = await queue.get()
+                if item is done:
+                    finished += 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def _completion_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-async def _respond(request: Request, body: SamplingBody, completion: CompletionRequest, chat: bool,
+async def _respond(request: Request, body: SamplingBody, completions: list[CompletionRequest], chat: bool,
                    plan: ToolPlan | None = None):
+    """The response to `completions` (several: one a prompt of a /v1/completions request, their
+    choices in prompt order, n each, as OpenAI and vLLM number them)."""
     state: ServerState = request.app.state.symphony
     tenant = tenant_of(request)
-    choices = Choices(state, completion, chat)
+    choices = Choices(state, completions[0], chat) if len(completions) == 1 else \
+        PromptsChoices([Choices(state, completion, chat) for completion in completions])
+    count = sum(completion.n for completion in completions)
     created, cid, model = int(time.time()), _completion_id(chat), body.model
     kind = "chat.completion" if chat else "text_completion"
 
@@ -479,7 +542,7 @@ async def _respond(request: Request, body: SamplingBody, completion: CompletionR
             return {"index": i, "text": choices.texts[i].text, "logprobs": choices.logprobs_json(i),
                     "finish_reason": choices.finish_reasons[i] or "length"}
         return {"id": cid, "object": kind, "created": created, "model": model,
-                "choices": [choice(i) for i in range(completion.n)],
+                "choices": [choice(i) for i in range(count)],
                 "usage": _usage(choices.info, choices.completion_tokens)}
 
     include_usage = bool((body.stream_options or {}).get("include_usage"))
@@ -508,11 +571,11 @@ async def _respond(request: Request, body: SamplingBody, completion: CompletionR
         try:
             if chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for i in range(completion.n)])
+                              "finish_reason": None} for i in range(count)])
             if plan is not None:  # a tool call is known once whole: each answer in one delta at its end
                 async for _ in started():
                     pass
-                for i in range(completion.n):
+                for i in range(count):
                     answer, reason = message(i)
                     delta = {"content": answer["content"]} if "tool_calls" not in answer else \
                         {"tool_calls": [{"index": 0, **answer["tool_calls"][0]}]}
@@ -598,17 +661,19 @@ async def completions(request: Request):
         state: ServerState = request.app.state.symphony
         tenant_of(request)
         body: CompletionBody = await _parse(request, CompletionBody)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise OpenAIError(400, "one prompt per request", param="prompt")
-            prompt = prompt[0]
+        prompts = body.prompt
+        if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
+            prompts = [prompts]  # one prompt: a string, or its token ids
+        if not 1 <= len(prompts) <= MAX_PROMPTS:
+            raise OpenAIError(400, f"a request takes 1 to {MAX_PROMPTS} prompts", param="prompt")
         if body.echo:
             raise OpenAIError(400, "echo is not supported", param="echo")
-        # Tokenizing a long prompt takes a while: off the event loop.
-        ids = await asyncio.to_thread(state.engine.tokenize, prompt) if isinstance(prompt, str) else list(prompt)
-        return await _respond(request, body, _sampling(state, body, ids, body.max_tokens, body.logprobs, chat=False),
-                              chat=False)
+        completions = []
+        for prompt in prompts:
+            # Tokenizing a long prompt takes a while: off the event loop.
+            ids = await asyncio.to_thread(state.engine.tokenize, prompt) if isinstance(prompt, str) else list(prompt)
+            completions.append(_sampling(state, body, ids, body.max_tokens, body.logprobs, chat=False))
+        return await _respond(request, body, completions, chat=False)
     return await _guarded(handle)
 
 
@@ -625,7 +690,7 @@ async def chat_completions(request: Request):
         except ToolError as error:
             raise OpenAIError(400, str(error), param=error.param) from None
         prompt_ids = await asyncio.to_thread(_chat_prompt, state, body, plan)  # templating and tokenizing: off the loop
-        return await _respond(request, body, _sampling(state, body, prompt_ids, max_tokens, top, chat=True, plan=plan),
+        return await _respond(request, body, [_sampling(state, body, prompt_ids, max_tokens, top, chat=True, plan=plan)],
                               chat=True, plan=plan)
     return await _guarded(handle)
 
