@@ -178,11 +178,11 @@ def test_serve_without_a_model_answers_a_chat_with_the_default_model(monkeypatch
         # Structured output on the default model: JSON its schema accepts (the grammar call).
         from test_grammar import SCHEMAS, conforms
 
-        schema = SCHEMAS["nested object with required fields"]
-        answer = client.chat.completions.create(
-            model=model.id, messages=[{"role": "user", "content": "Describe Tom's pet as JSON."}], max_tokens=80,
-            temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}})
-        assert conforms(json.loads(answer.choices[0].message.content), schema), answer
+        for schema in SCHEMAS.values():  # nested objects, enums, arrays, required fields
+            answer = client.chat.completions.create(
+                model=model.id, messages=[{"role": "user", "content": "Describe Tom's pet as JSON."}], max_tokens=120,
+                temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}})
+            assert conforms(json.loads(answer.choices[0].message.content), schema), answer
         # Function calling: a required call whose arguments fit the function's parameters.
         weather = {"type": "object", "additionalProperties": False, "required": ["city"],
                    "properties": {"city": {"type": "string", "maxLength": 20}}}
