@@ -96,3 +96,30 @@ def _call(runtime, data: bytes, out_ptr: int = 1024, cap: int = 512) -> int:
     process = runtime.spawn(runtime.load(module), [], on_output=out.append)
     assert runtime.wait(process, 120) == 0, process.end_reason
     return int.from_bytes(b"".join(out), "little", signed=True)
+
+
+TOOLS_TEMPLATE = "{% if tools %}<tools>{{ tools | map(attribute='function.name') | join(',') }}</tools>{% endif %}" + TEMPLATE
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}},
+         {"type": "function", "function": {"name": "time", "parameters": {"type": "object"}}}]
+
+
+def test_tools_reach_a_template_that_shows_them_from_c_and_python(engine, tmp_path):
+    from guests import build_c
+
+    engine.loaded.tokenizer.chat_template = TOOLS_TEMPLATE
+    source = tmp_path / "chat_tools.c"
+    messages = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS})
+    source.write_text('#include "symphony.h"\nstatic char out[4096];\n'
+                      'int main(void) { int n = sym_chat_template(' + json.dumps(messages) + ', out, sizeof out);\n'
+                      '  if (n < 0) return 1; sym_send(out, n); return 0; }\n')
+    with Runtime(engine) as runtime:
+        code, out, log = run(runtime, build_c(source, tmp_path / "chat_tools.wasm"), [])
+        assert code == 0, log
+        assert out == "<tools>weather,time</tools><user>Hi</user><assistant>"
+        code, out, log = run(runtime, build_python("misbehave", ROOT / "tests" / "python_guests"),
+                             ["chat", "tools=" + json.dumps(TOOLS), "user", "Hi"])
+        assert code == 0, log
+        assert out == "<tools>weather,time</tools><user>Hi</user><assistant>"
+        code, out, _ = run(runtime, build_python("misbehave", ROOT / "tests" / "python_guests"),
+                           ["chat", "tools=" + json.dumps({"not": "a list"}), "user", "Hi"])
+        assert out == "InvalidArgument"

@@ -544,3 +544,15 @@ def test_several_prompts_in_one_completions_request(api):
     assert texts == {0: tokens.choices[0].text,
                      1: api.completions.create(model="stories260K", prompt=[1, 5, 9, 12], max_tokens=6,
                                                temperature=0).choices[0].text}
+
+
+def test_echo_puts_the_prompt_before_the_completion(api):
+    plain = api.completions.create(model="stories260K", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+    echoed = api.completions.create(model="stories260K", prompt=PROMPT, max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + plain
+    stream = api.completions.create(model="stories260K", prompt=PROMPT, max_tokens=8, temperature=0, echo=True,
+                                    stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == PROMPT + plain
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.completions.create(model="stories260K", prompt=PROMPT, max_tokens=8, echo=True, logprobs=1)
+    assert refused.value.body["param"] == "echo"

@@ -13,6 +13,7 @@ A `Distribution` stays on the host: ask it for `argmax()`, `top_k(k)`, `logprob(
 """
 from __future__ import annotations
 
+import json
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -92,11 +93,14 @@ def detokenize(ids: list[int]) -> str:
     return _check(tokens.detokenize, list(ids))
 
 
-def chat_template(messages: list[tuple[str, str]], add_generation_prompt: bool = True) -> str:
+def chat_template(messages: list[tuple[str, str]], add_generation_prompt: bool = True,
+                  tools: list[dict] | None = None) -> str:
     """The conversation, (role, content) pairs, rendered with the model's own chat template
-    (ending with the start of the assistant's turn). Tokenize it with `tokenize(text, False)`:
-    the template writes its own special tokens."""
-    return _check(tokens.chat_template, [(role, content) for role, content in messages], add_generation_prompt)
+    (ending with the start of the assistant's turn), with `tools` (OpenAI-style function
+    definitions) for a template that shows them. Tokenize it with `tokenize(text, False)`: the
+    template writes its own special tokens."""
+    return _check(tokens.chat_template, [(role, content) for role, content in messages], add_generation_prompt,
+                  None if tools is None else json.dumps(tools))
 
 
 # ---- grammars (constrained decoding) ----

@@ -13,6 +13,7 @@ process's handle can never reach another's distribution).
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 from typing import Any, Callable
@@ -100,8 +101,12 @@ class ComponentCalls:
     def detokenize(self, ids: list[int]) -> str:
         return self.calls.detokenize(ids)
 
-    def chat_template(self, messages: list[tuple[str, str]], add_generation_prompt: bool) -> str:
-        return self.calls.chat_template(list(messages), add_generation_prompt)
+    def chat_template(self, messages: list[tuple[str, str]], add_generation_prompt: bool, tools: str | None) -> str:
+        try:
+            parsed = None if tools is None else json.loads(tools)
+        except (ValueError, RecursionError):
+            raise InvalidArgument("chat-template: tools are JSON function definitions") from None
+        return self.calls.chat_template(list(messages), add_generation_prompt, parsed)
 
     # KV files
     def kv_create(self) -> int:

@@ -147,11 +147,15 @@ class CoreCalls:
             data = json.loads(mem.read_str(messages_ptr, messages_len))
         except (ValueError, RecursionError):
             data = None
+        tools = None
+        if isinstance(data, dict) and set(data) <= {"messages", "tools"}:  # {"messages": [...], "tools": [...]}
+            data, tools = data.get("messages"), data.get("tools")
         if not isinstance(data, list) or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in data):
-            raise InvalidArgument('chat-template: messages are JSON, a list of {"role": ..., "content": ...} strings')
-        text = self.calls.chat_template([(m["role"], m["content"]) for m in data], bool(flags & 1))
+            raise InvalidArgument('chat-template: messages are JSON, a list of {"role": ..., "content": ...} strings '
+                                  '(or {"messages": that list, "tools": [...]})')
+        text = self.calls.chat_template([(m["role"], m["content"]) for m in data], bool(flags & 1), tools)
         return _write_text(mem, text.encode(), out_ptr, cap)
 
     def detokenize(self, mem: GuestMemory, ids_ptr: int, n: int, out_ptr: int, cap: int) -> int:

@@ -144,8 +144,12 @@ class SystemCalls:
         self.process.cpu_time_s += cpu_time_s
         return ids
 
-    def chat_template(self, messages: list[tuple[str, str]], add_generation_prompt: bool) -> str:
-        """The conversation, (role, content) pairs, in the model's chat template."""
+    def chat_template(self, messages: list[tuple[str, str]], add_generation_prompt: bool,
+                      tools: list[dict] | None = None) -> str:
+        """The conversation, (role, content) pairs, in the model's chat template, with `tools`
+        (OpenAI-style function definitions) for a template that shows them."""
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools)):
+            raise InvalidArgument("chat-template: tools are a list of function definitions (objects)")
         if len(messages) > MAX_CHAT_MESSAGES:
             raise InvalidArgument(f"chat-template takes at most {MAX_CHAT_MESSAGES} messages")
         if sum(len(role) + len(content) for role, content in messages) > MAX_TEXT_BYTES:
@@ -153,7 +157,7 @@ class SystemCalls:
         if any(not role for role, _ in messages):
             raise InvalidArgument("a message's role must not be empty")
         return self.engine.chat_template([{"role": role, "content": content} for role, content in messages],
-                                         add_generation_prompt)
+                                         add_generation_prompt, tools=tools or None)
 
     def detokenize(self, ids: list[int]) -> str:
         vocab = self.engine.loaded.config.vocab_size

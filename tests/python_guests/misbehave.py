@@ -10,8 +10,9 @@ Usage: misbehave MODE
   exit [CODE|MESSAGE] - sys.exit() with nothing, a code or a message
   tokenize N - sends how many ids N repeats of "a b " tokenize to (a long text waits off the worker)
   recurse - recurses without end in C (repr of a deeply nested list): the wasm stack overflows
-  chat ROLE CONTENT ... - sends the pairs rendered with the model's chat template (its error's
-            name if it refuses)"""
+  chat [tools=JSON] ROLE CONTENT ... - sends the pairs rendered with the model's chat template,
+            with the tools (its error's name if it refuses)"""
+import json
 import sys
 import time
 
@@ -139,9 +140,12 @@ def main(args: list[str]) -> int:
             nested = [nested]
         symphony.send(f"{len(repr(nested))}\n")
     elif mode == "chat":
+        tools = None
+        if args[1:2] and args[1].startswith("tools="):  # OpenAI-style function definitions, JSON
+            tools, args = json.loads(args[1][len("tools="):]), args[:1] + args[2:]
         pairs = list(zip(args[1::2], args[2::2]))
         try:
-            symphony.send(symphony.chat_template(pairs))
+            symphony.send(symphony.chat_template(pairs, tools=tools))
         except symphony.SymphonyError as error:
             symphony.send(type(error).__name__)
     elif mode == "sleep":

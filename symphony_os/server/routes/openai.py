@@ -514,14 +514,16 @@ def _completion_id(chat: bool) -> str:
 
 
 async def _respond(request: Request, body: SamplingBody, completions: list[CompletionRequest], chat: bool,
-                   plan: ToolPlan | None = None):
+                   plan: ToolPlan | None = None, echo: list[str] | None = None):
     """The response to `completions` (several: one a prompt of a /v1/completions request, their
-    choices in prompt order, n each, as OpenAI and vLLM number them)."""
+    choices in prompt order, n each, as OpenAI and vLLM number them); `echo`: each prompt's text,
+    put before its choices' text."""
     state: ServerState = request.app.state.symphony
     tenant = tenant_of(request)
     choices = Choices(state, completions[0], chat) if len(completions) == 1 else \
         PromptsChoices([Choices(state, completion, chat) for completion in completions])
     count = sum(completion.n for completion in completions)
+    echoed = [prefix for prefix, completion in zip(echo, completions) for _ in range(completion.n)] if echo else None
     created, cid, model = int(time.time()), _completion_id(chat), body.model
     kind = "chat.completion" if chat else "text_completion"
 
@@ -539,8 +541,8 @@ async def _respond(request: Request, body: SamplingBody, completions: list[Compl
             if chat:
                 answer, reason = message(i)
                 return {"index": i, "message": answer, "logprobs": choices.logprobs_json(i), "finish_reason": reason}
-            return {"index": i, "text": choices.texts[i].text, "logprobs": choices.logprobs_json(i),
-                    "finish_reason": choices.finish_reasons[i] or "length"}
+            return {"index": i, "text": (echoed[i] if echoed else "") + choices.texts[i].text,
+                    "logprobs": choices.logprobs_json(i), "finish_reason": choices.finish_reasons[i] or "length"}
         return {"id": cid, "object": kind, "created": created, "model": model,
                 "choices": [choice(i) for i in range(count)],
                 "usage": _usage(choices.info, choices.completion_tokens)}
@@ -572,6 +574,9 @@ async def _respond(request: Request, body: SamplingBody, completions: list[Compl
             if chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for i in range(count)])
+            elif echoed:
+                yield chunk([{"index": i, "text": echoed[i], "logprobs": None, "finish_reason": None}
+                             for i in range(count)])
             if plan is not None:  # a tool call is known once whole: each answer in one delta at its end
                 async for _ in started():
                     pass
@@ -666,14 +671,17 @@ async def completions(request: Request):
             prompts = [prompts]  # one prompt: a string, or its token ids
         if not 1 <= len(prompts) <= MAX_PROMPTS:
             raise OpenAIError(400, f"a request takes 1 to {MAX_PROMPTS} prompts", param="prompt")
-        if body.echo:
-            raise OpenAIError(400, "echo is not supported", param="echo")
-        completions = []
+        if body.echo and body.logprobs is not None:
+            raise OpenAIError(400, "echo with logprobs (the prompt's log-probabilities) is not supported by this "
+                                   "server", param="echo")
+        completions, texts = [], []
         for prompt in prompts:
             # Tokenizing a long prompt takes a while: off the event loop.
             ids = await asyncio.to_thread(state.engine.tokenize, prompt) if isinstance(prompt, str) else list(prompt)
             completions.append(_sampling(state, body, ids, body.max_tokens, body.logprobs, chat=False))
-        return await _respond(request, body, completions, chat=False)
+            if body.echo:
+                texts.append(prompt if isinstance(prompt, str) else await asyncio.to_thread(state.engine.detokenize, ids))
+        return await _respond(request, body, completions, chat=False, echo=texts or None)
     return await _guarded(handle)
 
 
