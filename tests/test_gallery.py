@@ -305,3 +305,22 @@ def test_agent_on_the_default_model_uses_a_tool_and_answers():
             assert any(line.startswith("observation: ") for line in out.splitlines()), out
     finally:
         engine.stop()
+
+
+def test_self_consistency_votes_among_branches_decoded_in_shared_batches(runtime, engine):
+    """K forks of one question each sample a short answer under a grammar, one batch a step for
+    all of them; the vote is the most frequent answer (ties to the lowest branch); a seed
+    reproduces the run."""
+    before = engine.stats().batches
+    out, _ = run(runtime, "self_consistency", ["Tom's dog was named", "6", "6", "1.0", "2"])
+    batches = engine.stats().batches - before
+    lines = out.splitlines()
+    answers = [line.split("] ", 1)[1] if "] " in line else "" for line in lines[:6]]
+    assert [line[:3] for line in lines[:6]] == [f"[{b}]" for b in range(6)] and len(lines) == 7
+    assert all(re.fullmatch(r"[a-z0-9][a-z0-9 ]*", answer) for answer in answers), answers
+    votes = [answers.count(answer) for answer in answers]
+    best = votes.index(max(votes))
+    assert lines[6] == f"vote: {answers[best]} ({votes[best]} of 6)"
+    assert batches <= 1 + 6  # the prefill, then one batch a step for all six branches
+    again, _ = run(runtime, "self_consistency", ["Tom's dog was named", "6", "6", "1.0", "2"])
+    assert again == out
