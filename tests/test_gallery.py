@@ -324,3 +324,12 @@ def test_self_consistency_votes_among_branches_decoded_in_shared_batches(runtime
     assert batches <= 1 + 6  # the prefill, then one batch a step for all six branches
     again, _ = run(runtime, "self_consistency", ["Tom's dog was named", "6", "6", "1.0", "2"])
     assert again == out
+    # The Python program is the same one: the same draws, the same transcript.
+    from test_python_sdk import build_python
+
+    program = build_python("self_consistency", lip("self_consistency").parent / "python")
+    python_out = []
+    process = runtime.spawn(runtime.load(program), ["Tom's dog was named", "6", "6", "1.0", "2"],
+                            on_output=python_out.append)
+    assert runtime.wait(process, 300) == 0, process.end_reason
+    assert b"".join(python_out).decode() == out
