@@ -333,3 +333,11 @@ def test_self_consistency_votes_among_branches_decoded_in_shared_batches(runtime
                             on_output=python_out.append)
     assert runtime.wait(process, 300) == 0, process.end_reason
     assert b"".join(python_out).decode() == out
+    # And the Rust one.
+    from guests import rust_lip
+
+    rust_out = []
+    process = runtime.spawn(runtime.load(rust_lip("self_consistency")), ["Tom's dog was named", "6", "6", "1.0", "2"],
+                            on_output=rust_out.append)
+    assert runtime.wait(process, 300) == 0, process.end_reason
+    assert b"".join(rust_out).decode() == out

@@ -286,6 +286,50 @@ impl Drop for Kv {
     }
 }
 
+// ---- grammars (constrained decoding) ----
+
+/// A grammar the host keeps (llguidance): from a JSON schema, a regex or a Lark grammar; freed
+/// when dropped. Put its `handle()` in a `Sampling`'s `grammar`.
+#[derive(Debug)]
+pub struct Grammar(i32);
+
+pub const GRAMMAR_JSON_SCHEMA: i32 = 0;
+pub const GRAMMAR_REGEX: i32 = 1;
+pub const GRAMMAR_LARK: i32 = 2;
+
+impl Grammar {
+    pub fn new(kind: i32, source: &str) -> Result<Grammar> {
+        check(unsafe { sys::grammar_new(kind, source.as_ptr(), source.len() as i32) }).map(Grammar)
+    }
+    pub fn fork(&self) -> Result<Grammar> {
+        check(unsafe { sys::grammar_fork(self.0) }).map(Grammar)
+    }
+    /// Moves it on by tokens the program chose: all, or none and an error.
+    pub fn accept(&self, ids: &[u32]) -> Result<()> {
+        check(unsafe { sys::grammar_accept(self.0, ids.as_ptr() as *const i32, ids.len() as i32) }).map(|_| ())
+    }
+    pub fn rollback(&self, n: usize) -> Result<()> {
+        check(unsafe { sys::grammar_rollback(self.0, n as i32) }).map(|_| ())
+    }
+    /// May the text end here?
+    pub fn may_end(&self) -> Result<bool> {
+        check(unsafe { sys::grammar_state(self.0) }).map(|state| state & 1 != 0)
+    }
+    /// Must it end here?
+    pub fn must_end(&self) -> Result<bool> {
+        check(unsafe { sys::grammar_state(self.0) }).map(|state| state & 2 != 0)
+    }
+    pub fn handle(&self) -> i32 {
+        self.0
+    }
+}
+
+impl Drop for Grammar {
+    fn drop(&mut self) {
+        unsafe { sys::grammar_close(self.0) };
+    }
+}
+
 // ---- prediction ----
 
 /// How the host samples a token. `Sampling::default()` is greedy.
@@ -300,6 +344,8 @@ pub struct Sampling {
     /// Logit bias: (id, value added to its logit).
     pub bias_ids: Vec<u32>,
     pub bias_values: Vec<f32>,
+    /// A grammar's handle (`Grammar::handle`): the draw keeps to what it allows next and moves it on.
+    pub grammar: Option<i32>,
 }
 
 /// The 48-byte sampling record of the ABI (wit/symphony.wit, pred-submit kind 2).
@@ -338,7 +384,7 @@ impl Sampling {
             bias_ids: self.bias_ids.as_ptr() as i32,
             bias_values: self.bias_values.as_ptr() as i32,
             n_bias: self.bias_ids.len().min(self.bias_values.len()) as i32,
-            grammar: 0,
+            grammar: self.grammar.unwrap_or(0),
         }
     }
 }
