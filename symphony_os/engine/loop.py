@@ -380,6 +380,8 @@ class Engine:
         rows sampled under a grammar, computed on a thread of its own while the forward pass
         runs (llguidance releases the GIL); None when no row has a grammar. The grammars are
         the engine's while their preds are in flight (syscalls.py refuses their owners)."""
+        if self._grammars is None:  # no grammar made here yet: no scan a batch (one made elsewhere
+            return None             # would still be applied: sampling computes a mask it is not given)
         rows = [(row, want.grammar) for row, want in enumerate(wants)
                 if want.__class__ is Sample and want.grammar is not None]
         if not rows:

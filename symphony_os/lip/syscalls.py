@@ -251,10 +251,6 @@ class SystemCalls:
             check_kv_pages(self.process, kv, len(tokens))
         if isinstance(want, Distribution):
             self._check_distribution_bytes()
-        if want.__class__ is Sample and want.grammar is not None:
-            if want.grammar not in self.grammars.values():
-                raise BadHandle("the sampling record's grammar is not open in this process")
-            self._idle_grammar(next(h for h, g in self.grammars.items() if g is want.grammar))
         request = self.engine.submit_request(self.kv, kv, tokens, positions, want)
         if kv in self.prefix_files:
             self.prefix_files[kv].ids.extend(tokens)
@@ -349,7 +345,8 @@ class SystemCalls:
         del self.grammars[handle]
 
     def grammar_for_pred(self, handle: int) -> Grammar:
-        """The grammar a pred samples under (checked again when it is queued: `_queue`)."""
+        """The grammar a pred samples under, read from its arguments by either ABI just before
+        the pred is queued: open in this process and used by no pred in flight."""
         return self._idle_grammar(handle)
 
     def _idle_grammar(self, handle: int) -> Grammar:
