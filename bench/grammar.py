@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from engine import cpu_name  # noqa: E402  (bench/engine.py)
 
 from symphony_os.engine import Engine  # noqa: E402
-from symphony_os.engine.grammar import GrammarKind, bitmask_words  # noqa: E402
+from symphony_os.engine.grammar import GrammarKind, allowed_tokens, bitmask_words  # noqa: E402
 from symphony_os.engine.sampling import Sample  # noqa: E402
 from symphony_os.model.loader import instruct_model_path  # noqa: E402
 
@@ -69,8 +69,7 @@ def mask_times(engine: Engine, steps: int, seed: int = 0) -> list[float]:
             started = time.perf_counter()
             grammar.allowed_bitmask(mask)
             times.append(time.perf_counter() - started)
-            bits = (mask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-            allowed = bits.reshape(-1)[:vocab].nonzero().flatten().tolist()
+            allowed = allowed_tokens(mask, vocab).nonzero().flatten().tolist()
             eos = set(engine.loaded.eos_token_ids)
             choices = [token for token in allowed if token not in eos] or allowed
             grammar.consume(rng.choice(choices))

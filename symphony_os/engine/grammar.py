@@ -30,14 +30,13 @@ class GrammarKind(enum.IntEnum):
 
 class Grammar:
     """A matcher over one grammar. Not thread-safe: its owner (a process) uses it while no pred
-    of its is in flight (`in_flight`), and the engine while one is."""
+    of its is in flight (lip/syscalls.py checks), and the engine while one is."""
 
-    __slots__ = ("_matcher", "vocab_size", "in_flight")
+    __slots__ = ("_matcher", "vocab_size")
 
     def __init__(self, matcher, vocab_size: int):
         self._matcher = matcher
         self.vocab_size = vocab_size
-        self.in_flight = 0  # preds queued that sample under it
 
     def _check(self) -> None:
         if self._matcher.is_error():
@@ -49,6 +48,12 @@ class Grammar:
         grammar has failed (its fuel ran out, say)."""
         self._matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * out.element_size())
         self._check()
+
+    def next_bitmask(self) -> torch.Tensor:
+        """`allowed_bitmask` into a new tensor."""
+        out = torch.empty(bitmask_words(self.vocab_size), dtype=torch.int32)
+        self.allowed_bitmask(out)
+        return out
 
     def consume(self, token: int) -> None:
         """The token drawn under this grammar's mask."""
@@ -151,10 +156,14 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The bitmask (int32 [ceil(V / 32)]) as a bool per token [V]: True where it allows the token."""
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.reshape(-1)[:vocab_size].bool()
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """`logits` (one row, [V]) with every token the bitmask (int32 [ceil(V / 32)]) leaves out at
     -inf: a new tensor."""
-    vocab = logits.shape[-1]
-    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-    allowed = bits.reshape(-1)[:vocab].bool()
+    allowed = allowed_tokens(bitmask, logits.shape[-1])
     return logits.masked_fill(~allowed.to(logits.device), float("-inf"))

@@ -18,7 +18,7 @@ from ..kv.pool import KVPool
 from ..model.attention import select_backend
 from ..model.loader import LoadedModel, load_model
 from .gc_tuning import tune_gc, untune_gc
-from .grammar import Grammar, GrammarCompiler, bitmask_words
+from .grammar import Grammar, GrammarCompiler
 from .model_runner import ModelRunner, SequenceInput
 from .pred_future import PredFuture
 from .sampling import GREEDY, GreedyEach, PredResult, Sample, Want, process_logits, validate_want
@@ -131,9 +131,8 @@ class Engine:
         self._step_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._tokenizer_thread: ThreadPoolExecutor | None = None  # tokenize_later's, made on first use
+        self._threads: dict[str, ThreadPoolExecutor] = {}  # _helper_thread's (the tokenizer's, the grammar masks')
         self._grammars: GrammarCompiler | None = None  # grammar()'s, made on first use
-        self._mask_thread: ThreadPoolExecutor | None = None  # _grammar_masks', made on first use
         self._counters = dict(batches=0, requests=0, sequences=0, tokens=0, queue_wait_s=0.0, forward_s=0.0)
         self._queue_wait_counts = [0] * (len(QUEUE_WAIT_BUCKETS_S) + 1)
 
@@ -189,10 +188,6 @@ class Engine:
         seconds for them), answered in the order asked. For long texts (a MiB takes 0.5-1.7 s
         here), whose caller must not hold its own thread that long; the tokenizer releases the
         GIL while it works."""
-        if self._tokenizer_thread is None:
-            with self._queue_mutex:
-                if self._tokenizer_thread is None:
-                    self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="symphony-tokenize")
         future = PredFuture()
 
         def work() -> None:
@@ -204,7 +199,7 @@ class Engine:
                 return
             future.set_result((ids, time.thread_time() - started))
 
-        self._tokenizer_thread.submit(work)
+        self._helper_thread("tokenize").submit(work)
         return future
 
     def submit(self, session: KvSession, handle: int, tokens: list[int], positions: list[int] | None = None,
@@ -375,6 +370,16 @@ class Engine:
                 finished.append((request, result if error is None else None, error))
         self._finish_all(finished)
 
+    def _helper_thread(self, name: str) -> ThreadPoolExecutor:
+        """A worker thread of the engine's own ("symphony-NAME"), made on first use (from any thread)."""
+        thread = self._threads.get(name)
+        if thread is None:
+            with self._queue_mutex:
+                thread = self._threads.get(name)
+                if thread is None:
+                    thread = self._threads[name] = ThreadPoolExecutor(1, thread_name_prefix=f"symphony-{name}")
+        return thread
+
     def _grammar_masks(self, wants: list[Want]):
         """A future of {row: its grammar's allowed-token bitmask, or the grammar's error} for the
         rows sampled under a grammar, computed on a thread of its own while the forward pass
@@ -386,24 +391,17 @@ class Engine:
                 if want.__class__ is Sample and want.grammar is not None]
         if not rows:
             return None
-        if self._mask_thread is None:
-            with self._queue_mutex:
-                if self._mask_thread is None:
-                    self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="symphony-grammar")
-        vocab = self.loaded.config.vocab_size
 
         def compute() -> dict[int, torch.Tensor | Exception]:
             masks: dict[int, torch.Tensor | Exception] = {}
             for row, grammar in rows:
-                mask = torch.empty(bitmask_words(vocab), dtype=torch.int32)
                 try:
-                    grammar.allowed_bitmask(mask)
-                    masks[row] = mask
+                    masks[row] = grammar.next_bitmask()
                 except Exception as error:  # this row fails alone (process_logits)
                     masks[row] = error
             return masks
 
-        return self._mask_thread.submit(compute)
+        return self._helper_thread("grammar").submit(compute)
 
     def _finish(self, request: PredRequest, result: PredResult | None = None,
                 error: BaseException | None = None) -> None:

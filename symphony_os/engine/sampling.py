@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgument
-from .grammar import apply_bitmask, bitmask_words
+from .grammar import apply_bitmask
 
 # TopK rows up to this k take the sampling kernel's top log-probs (one pass over the row per
 # rank); beyond it, torch.topk's radix select costs less.
@@ -198,15 +198,13 @@ def process_logits(logits: torch.Tensor, wants: list[Want], default_generator: t
 
 # ---- the host reference ----
 
-def _grammar_mask(want: Sample, vocab: int, given) -> torch.Tensor:
+def _grammar_mask(want: Sample, given) -> torch.Tensor:
     """The row's grammar bitmask: the one computed already (raising its error), else now."""
     if given is not None:
         if isinstance(given, Exception):
             raise given
         return given
-    mask = torch.empty(bitmask_words(vocab), dtype=torch.int32)
-    want.grammar.allowed_bitmask(mask)
-    return mask
+    return want.grammar.next_bitmask()
 
 
 def _sample_row(logits: torch.Tensor, want: Sample, generator: torch.Generator, grammar_mask=None) -> int:
@@ -219,7 +217,7 @@ def _sample_row(logits: torch.Tensor, want: Sample, generator: torch.Generator, 
         masked[ids] = logits[ids]
         logits = masked
     if want.grammar is not None:
-        logits = apply_bitmask(logits, _grammar_mask(want, logits.numel(), grammar_mask))
+        logits = apply_bitmask(logits, _grammar_mask(want, grammar_mask))
         if not bool(torch.isfinite(logits.max())):
             raise InvalidArgument("no token can be drawn: every token the grammar allows has a logit of -inf")
     if want.temperature == 0:
@@ -401,7 +399,7 @@ def process_logits_batched(logits: torch.Tensor, wants: list[Want], default_gene
     grammar_masks: dict[int, torch.Tensor] = {}
     for row in [row for row in rows_of[Sample] if wants[row].grammar is not None]:
         try:
-            grammar_masks[row] = _grammar_mask(wants[row], logits.shape[1], (given_masks or {}).get(row))
+            grammar_masks[row] = _grammar_mask(wants[row], (given_masks or {}).get(row))
         except Exception as error:
             results[row].error = error
             rows_of[Sample].remove(row)

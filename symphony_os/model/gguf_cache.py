@@ -52,14 +52,19 @@ def _digest(index_path: Path, path: Path) -> str:
         return digest
     digest = file_sha256(path)
     index[key] = digest
-    try:  # a new index beside the old, renamed over it: a reader sees one or the other
+    try:
         index_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        staging = index_path.with_name(f".{index_path.name}-{os.getpid()}")
-        staging.write_text(json.dumps(index))
-        os.replace(staging, index_path)
+        _replace_text(index_path, json.dumps(index))
     except OSError as error:
         log.warning("cannot remember the digest of %s: %s", path, error)
     return digest
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write `path` beside itself and rename it into place: a reader sees the old text or the new."""
+    staging = path.with_name(f".{path.name}-{os.getpid()}")
+    staging.write_text(text)
+    os.replace(staging, path)
 
 
 def file_sha256(path: Path) -> str:
@@ -95,10 +100,8 @@ def stored_config(directory: Path) -> SimpleNamespace | None:
 
 def keep_full_config(directory: Path, hf_config) -> None:
     """Add the full config (FULL_CONFIG) to a conversion made before it was kept (best effort)."""
-    staging = directory / f".{FULL_CONFIG}-{os.getpid()}"
     try:
-        staging.write_text(json.dumps(hf_config.to_dict()))
-        os.replace(staging, directory / FULL_CONFIG)
+        _replace_text(directory / FULL_CONFIG, json.dumps(hf_config.to_dict()))
     except OSError as error:
         log.warning("cannot add the full config to %s: %s", directory, error)
 
