@@ -240,11 +240,7 @@ def _sampling(state: ServerState, body: SamplingBody, prompt_ids: list[int], max
             raise OpenAIError(400, "response_format with tools is not supported by this server", param="response_format")
         if logprobs is not None:
             raise OpenAIError(400, "logprobs with tools is not supported by this server", param="logprobs")
-        try:
-            state.engine.grammar(*plan.grammar)
-        except SymphonyError as error:
-            raise OpenAIError(400, f"tools: {error}", param="tools") from None
-        grammar = plan.grammar
+        grammar = _checked_grammar(state, plan.grammar, "tools")
     return CompletionRequest(prompt_ids, max_tokens, n, logprobs, temperature, top_p, body.seed, tuple(stop), grammar,
                              **extras)
 
@@ -301,12 +297,17 @@ def _response_grammar(state: ServerState, response_format: dict | None, logprobs
         raise OpenAIError(400, "response_format.type must be text, json_object or json_schema", param="response_format")
     if logprobs is not None:
         raise OpenAIError(400, "response_format with logprobs is not supported by this server", param="logprobs")
-    source = json.dumps(schema)
+    return _checked_grammar(state, (GrammarKind.JSON_SCHEMA, json.dumps(schema)), "response_format")
+
+
+def _checked_grammar(state: ServerState, grammar: tuple[int, str], param: str) -> tuple[int, str]:
+    """`grammar` (kind, source), once the engine compiled it: a 400 naming `param` when it cannot
+    (the complete LIP compiles it again, in its own process)."""
     try:
-        state.engine.grammar(GrammarKind.JSON_SCHEMA, source)
+        state.engine.grammar(*grammar)
     except SymphonyError as error:
-        raise OpenAIError(400, f"response_format: {error}", param="response_format") from None
-    return (GrammarKind.JSON_SCHEMA, source)
+        raise OpenAIError(400, f"{param}: {error}", param=param) from None
+    return grammar
 
 
 def _as_float32(value: float) -> float:
