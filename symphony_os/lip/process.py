@@ -17,7 +17,8 @@ from ..errors import ErrorCode, InputClosed, LimitExceeded, SymphonyError
 from ..wasm.fiber import AsyncLinker, Fiber, HostCall, set_time_slice
 from ..wasm.guest_memory import GuestMemory, memory_locator
 from ..wasm.program import Program
-from ..engine.sampling import Sample
+from ..engine.sampling import GREEDY, Sample
+from ..engine.scheduler import PredRequest
 from .core_abi import CoreCalls, pred_fast_shape, pred_submit_fast_shape, pred_wait_fast_shape
 from .limits import ProcessLimits, Usage, store_limits, trap_reason
 from .syscalls import SystemCalls, Wait
@@ -46,6 +47,8 @@ class ProcessState(str, enum.Enum):
 
 _STATE_OF = {state.value: state for state in ProcessState}  # faster than ProcessState(value)
 _RUNNABLE = ProcessState.RUNNABLE  # a module global: an enum member's attribute lookup costs more
+_NO_LIMIT_NS = 2**62  # a decode lane's CPU time, with no CPU-time limit
+_NO_LIMIT_TOKENS = 2**62  # a decode lane's tokens, with no KV page limit
 _pids = itertools.count(1)
 
 
@@ -61,7 +64,7 @@ class Process:
                  "_input_closed", "_kill_reason", "ended", "cpu_time_s", "usage", "syscalls", "abi", "store",
                  "_time_slice_ticks", "_fiber", "_fresh", "_instantiating", "_memory", "memory", "_blocked", "wake",
                  "_woken_by_pred", "monotonic_origin", "_cpu_time_limit", "poll_address", "_linker", "_decoding",
-                 "__weakref__")
+                 "_lane_answer", "lane_answered", "_lane_kv", "__weakref__")
     POLLS_TO_RESUME = 1  # polls that run the guest on after its blocking call is answered
 
     def __init__(self, program: Program, args: list[str], env: dict[str, str], engine, kv_session,
@@ -114,6 +117,11 @@ class Process:
         self._decoding: _DecodeAnswer | None = None  # or the fast decode step it waits in (_fast_pred)
         self._linker = linker
         self.wake: Callable[["Process"], None] = lambda process: None  # set by the worker
+        # The decode lane's (_open_lane): where its answers put the process (the worker's list,
+        # set by the worker), and the one answer object its requests reuse.
+        self.lane_answered: list["Process"] = []
+        self._lane_answer = _LaneAnswer(self)
+        self._lane_kv = -1  # the handle of the last fast pred_submit (_open_lane_after_wait)
         self._woken_by_pred = self._pred_done  # one bound method, not one per pred
 
     # ---- I/O, callable from any thread ----
@@ -156,6 +164,9 @@ class Process:
         """End the process at its next scheduling point (even inside a blocking call)."""
         if self._kill_reason is None:
             self._kill_reason = reason
+        fiber = self._fiber
+        if fiber is not None:
+            fiber.lane_close()  # (a guest in the lane is resumed by C: it must come this way)
         self.wake(self)
 
     def _charge_output(self, nbytes: int) -> None:
@@ -222,6 +233,12 @@ class Process:
     # ---- driven by the owning worker ----
 
     @property
+    def cpu_seconds(self) -> float:
+        """`cpu_time_s` with what the decode lane charged since it was last taken back."""
+        fiber = self._fiber
+        return self.cpu_time_s + (fiber.lane_cpu_ns * 1e-9 if fiber is not None else 0.0)
+
+    @property
     def finished(self) -> bool:
         return self.exit_code is not None  # set with the state, by _end only
 
@@ -268,10 +285,39 @@ class Process:
                 # the second runs the guest on. A core module's first poll runs on at once (a
                 # second would give it two time slices while the next batch waits for it).
                 finished = fiber.poll()
-            if not finished:
-                # Blocked, or out of its time slice (instantiation too: a start function that
-                # computes holds no batch back, or every process's preds waited for it to end).
-                return "waiting" if self._blocked is not None or self._decoding is not None else "preempted"
+            return self._after_poll(fiber, finished)
+        except Exception as error:  # a host bug this guest reached: it ends, the worker goes on
+            return self._internal_error(error)
+
+    def after_lane_round(self, state: int) -> str:
+        """`advance` for a process in a decode-lane round (runtime.Worker): `state` is the
+        answer of the poll C made (fiber.LaneRound), or -1 when it made none."""
+        fiber = self._fiber
+        if state == -1:  # its lane closed (a kill, its CPU time): the ordinary way
+            if fiber is not None and fiber.lane_state:
+                self._lane_fold()
+            return self.advance()
+        try:
+            self._decoding = None  # its request was answered and the guest ran on
+            self.state = _RUNNABLE
+            return self._after_poll(fiber, fiber.after_lane_round(state))
+        except Exception as error:
+            return self._internal_error(error)
+
+    def _after_poll(self, fiber: Fiber, finished: bool) -> str:
+        """advance()'s outcome once the guest was polled."""
+        if not finished:
+            if self._blocked is not None or self._decoding is not None:
+                return "waiting"
+            if fiber.lane_waiting:  # a decode step C took (the lane): to the engine
+                self._lane_submit()
+                return "waiting"
+            if fiber.lane_state:  # a pred_submit C answered must not wait for the guest's next slice
+                self._lane_fold()
+            # Out of its time slice (instantiation too: a start function that computes holds no
+            # batch back, or every process's preds waited for it to end).
+            return "preempted"
+        try:
             if self._kill_reason is not None:  # asked for while it ran (past its output limit, say)
                 self._end(ProcessState.KILLED, EXIT_KILLED, self._kill_reason)
             elif fiber.exit_code is not None:
@@ -294,11 +340,15 @@ class Process:
                 code = int(fiber.result[0]) if fiber.result else 0  # a component's run() returns it
                 self._end(ProcessState.EXITED, code, f"exit {code}")
             return "ended"
-        except Exception as error:  # a host bug this guest reached: it ends, the worker goes on
-            log.exception("pid %s: internal error while advancing", self.pid)
-            if not self.finished:
-                self._end(ProcessState.KILLED, EXIT_TRAPPED, f"internal error: {type(error).__name__}: {error}")
-            return "ended"
+        except Exception as error:
+            return self._internal_error(error)
+
+    def _internal_error(self, error: Exception) -> str:
+        """A host bug this guest reached: it ends, the worker goes on."""
+        log.exception("pid %s: internal error while advancing", self.pid)
+        if not self.finished:
+            self._end(ProcessState.KILLED, EXIT_TRAPPED, f"internal error: {type(error).__name__}: {error}")
+        return "ended"
 
     def _wasi_config(self, program: Program, args: list[str], env: dict[str, str]) -> wasmtime.WasiConfig:
         wasi = wasmtime.WasiConfig()
@@ -319,11 +369,14 @@ class Process:
         self.memory = GuestMemory(memory_locator(self.store, self._memory))
         fiber = Fiber(self.store, exports["_start"], owner=self)
         vocab, keys = self.engine.loaded.config.vocab_size, self._linker.keys
+        pred = submit = wait = None
         if ("symphony", "pred") in keys:
-            fiber.set_fast_call(pred_fast_shape(vocab), self._linker, self._memory, self._fast_pred)
+            pred = fiber.set_fast_call(pred_fast_shape(vocab), self._linker, self._memory, self._fast_pred)
         if ("symphony", "pred_submit") in keys and ("symphony", "pred_wait") in keys:
-            fiber.set_fast_call(pred_submit_fast_shape(vocab), self._linker, self._memory, self._fast_pred_submit)
-            fiber.set_fast_call(pred_wait_fast_shape(), self._linker, self._memory, self._fast_pred_wait)
+            submit = fiber.set_fast_call(pred_submit_fast_shape(vocab), self._linker, self._memory,
+                                         self._fast_pred_submit)
+            wait = fiber.set_fast_call(pred_wait_fast_shape(), self._linker, self._memory, self._fast_pred_wait)
+        fiber.set_lane(pred, submit, wait, self._lane_fold)
         return fiber
 
     def _fast_pred(self, fiber: Fiber, args: tuple, token: int) -> bool | None:
@@ -349,6 +402,7 @@ class Process:
             return True
         self._decoding = answer
         self.state = ProcessState.BLOCKED_ON_PRED
+        self._open_lane(kv, len(calls.tickets), True)
         return False
 
     def _fast_pred_submit(self, fiber: Fiber, args: tuple, token: int) -> int | None:
@@ -369,6 +423,7 @@ class Process:
         ticket = calls._next_ticket
         calls._next_ticket = ticket + 1
         calls.tickets[ticket] = request
+        self._lane_kv = kv  # where the lane may open once the guest waits for it
         return ticket
 
     def _fast_pred_wait(self, fiber: Fiber, args: tuple, _value: int) -> bool | None:
@@ -385,12 +440,105 @@ class Process:
         if future.done():
             del calls.tickets[ticket]
             fiber.answer_fast_call(_answer_value(self, *future.outcome()))
+            self._open_lane_after_wait(request, len(calls.tickets))
             return True
         answer = _DecodeAnswer(self, ticket)
         self._decoding = answer
         self.state = ProcessState.BLOCKED_ON_PRED
         future.add_done_callback(answer.settled)
+        self._open_lane_after_wait(request, len(calls.tickets) - 1)
         return False
+
+    # ---- the decode lane: decode steps answered in C (fiber_native.c), no Python a token ----
+
+    def _open_lane(self, kv: int, in_flight: int, queued: bool) -> None:
+        """Let C take the guest's next decode steps on `kv`, a handle a fast pred just used
+        (writable, its own): pred_submit's tickets, pred_wait on them, blocking preds. It
+        stays open while the guest makes only those calls, and no longer than the checks made
+        here allow: the host-call rate's next check, the CPU time left, and under a KV page
+        limit the room left in the file's own last page (`queued`: a pred on it is queued and
+        not yet in the file), so that no step adds a page. `in_flight`: the tickets that stay
+        in flight meanwhile (the lane adds one at most). Not on a file the prefix cache tracks."""
+        limits, usage = self.limits, self.usage
+        budget = usage.check_at - usage.hostcalls - 1
+        if (budget < 2 or in_flight >= limits.preds_in_flight or kv in self.syscalls.prefix_files
+                or self._kill_reason is not None):
+            return
+        room = _NO_LIMIT_TOKENS
+        if limits.kv_pages is not None:
+            room = self._last_page_room(kv, queued) if in_flight == 0 else 0
+            if room < 1:
+                return
+        left_s = self._cpu_time_limit - self.cpu_time_s
+        ns_limit = _NO_LIMIT_NS if left_s > _NO_LIMIT_NS * 1e-9 else max(0, int(left_s * 1e9))
+        self._fiber.lane_open(kv, budget, room, self.syscalls._next_ticket, ns_limit, self._time_slice_ticks)
+
+    def _open_lane_after_wait(self, request, in_flight: int) -> None:
+        """_open_lane once the guest waits for a fast pred_submit's ticket: on that pred's handle,
+        if it still names that file, writable (a call since may have closed it)."""
+        kv = self._lane_kv
+        try:
+            if kv < 0 or self.kv.file_of(kv, write=True) is not request.file:
+                return
+        except SymphonyError:
+            return
+        self._open_lane(kv, in_flight, not request.future.done())
+
+    def _last_page_room(self, kv: int, queued: bool) -> int:
+        """Tokens the file behind `kv` takes in its own resident last page (none: a page shared,
+        swapped out or full), after the one pred `queued` on it."""
+        try:
+            file = self.kv.file_of(kv)
+        except SymphonyError:
+            return 0
+        pool = self.engine.pool
+        if file.host_pages or not file.pages or pool.refcount[file.pages[-1]] != 1:
+            return 0
+        used = (file.length + queued) % pool.page_size
+        return 0 if used == 0 else pool.page_size - used
+
+    def _lane_fold(self, queue: bool = True) -> None:
+        """Take back what the lane counted (Fiber.lane_take): its host calls, its ticket counter,
+        the CPU time it charged, and a pred_submit it answered that nobody queued yet, queued now
+        under its ticket (unless not `queue`: a process that ends). Runs before the host handles
+        any call that closed the lane, and wherever the host takes the process back. Never raises."""
+        fiber = self._fiber
+        calls_made, ticket, ns, pending, pending_ticket, token = fiber.lane_take()
+        self.usage.hostcalls += calls_made
+        self.cpu_time_s += ns * 1e-9
+        calls = self.syscalls
+        if ticket > calls._next_ticket:
+            calls._next_ticket = ticket
+        if pending == 1 and queue:
+            try:
+                request = self.engine.submit_decode(self.kv, fiber.lane_request()[0], token)
+            except Exception as error:  # (the handle was good when the lane opened, and no call came since)
+                request = PredRequest(None, [token], None, GREEDY)
+                request.future.set_exception(error)
+            calls.tickets[pending_ticket] = request
+
+    def _lane_submit(self) -> None:
+        """The guest waits in a lane call (its poll said so): its request to the engine, answered
+        through the process's _LaneAnswer."""
+        fiber = self._fiber
+        kv, token = fiber.lane_request()
+        answer = self._lane_answer
+        answer.done = False
+        self._decoding = answer
+        self.state = ProcessState.BLOCKED_ON_PRED
+        try:
+            self.engine.submit_decode(self.kv, kv, token, answer)
+        except SymphonyError as error:
+            self._lane_refused(error)
+
+    def _lane_refused(self, error: SymphonyError) -> None:
+        """A lane request the engine refused: answered now with the error's code, as pred would,
+        and the lane closed (the ordinary way looks at the next call)."""
+        fiber = self._fiber
+        fiber.lane_close()
+        fiber.answer_fast_call(int(self.syscalls.error_code(error)))
+        self._lane_answer.done = True
+        self.wake(self)
 
     def _fits_last_page(self, kv: int) -> bool:
         """Does one more token on the file behind `kv` fit in its own resident last page, with no
@@ -407,6 +555,8 @@ class Process:
 
     def _end(self, state: ProcessState, code: int, reason: str) -> None:
         if self._fiber is not None:
+            if self._fiber.lane_state:
+                self._lane_fold(queue=False)  # its CPU time; a pred not queued yet goes with the process
             self._fiber.close()
         if self._blocked is not None and self._blocked[0].cancel is not None:
             self._blocked[0].cancel()  # a sleep's timer, say
@@ -434,6 +584,21 @@ def _answer_value(process: Process, result, error: BaseException | None) -> int:
     return int(ErrorCode.INTERNAL)
 
 
+def submit_lane_requests(engine, processes: list["Process"], lane, asked: int) -> None:
+    """The requests a decode-lane round made (fiber.LaneRound: `lane.requests[:asked]` index
+    `processes`), to the engine: each guest waits in its call, answered by its _LaneAnswer. The
+    one loop a lane round runs in Python per process."""
+    submit, requests, kvs, tokens = engine.submit_decode, lane.requests, lane.kvs, lane.tokens
+    for k in range(asked):
+        process = processes[requests[k]]
+        answer = process._lane_answer
+        answer.done = False  # (process._decoding is this answer still: the guest never left its lane)
+        try:
+            submit(process.kv, kvs[k], tokens[k], answer)
+        except SymphonyError as error:
+            process._lane_refused(error)
+
+
 class _DecodeAnswer:
     """How a fast decode step's answer reaches its guest (Process._fast_pred, _fast_pred_wait):
     the engine settles it in place of a PredFuture (or a ticket's future calls `settled`), the
@@ -455,3 +620,18 @@ class _DecodeAnswer:
 
     def settled(self, future) -> None:
         self.settle(*future.outcome())
+
+
+class _LaneAnswer(_DecodeAnswer):
+    """A decode-lane request's answer (Process._lane_submit): the value into the fiber's slot, and
+    the process onto its worker's list of answered lane processes, resumed by C in the worker's
+    next round (runtime.Worker). Reused for each of the process's requests; runs on the thread
+    that drives batches, the only one that touches that list."""
+
+    __slots__ = ()
+
+    def settle(self, result, error: BaseException | None) -> None:
+        process = self.process
+        process._fiber.answer_fast_call(_answer_value(process, result, error))
+        self.done = True
+        process.lane_answered.append(process)

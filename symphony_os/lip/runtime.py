@@ -4,10 +4,13 @@ engine when every worker has finished its round, so the `pred`s of a round share
 Each process belongs to one worker (its Store is only ever touched by that thread). A worker's
 round polls every ready process once: each runs until it blocks in a host call, yields at the
 end of its epoch slice, or ends. Completed preds and delivered messages put their processes
-back on their worker's ready queue.
+back on their worker's ready queue. Processes whose decode steps C took (the decode lane,
+fiber_native.c) come back on a list of their own, and the round resumes all of them in one
+native call (fiber.LaneRound): no Python runs per process but the engine's submit.
 """
 from __future__ import annotations
 
+import array
 import logging
 import signal
 import sys
@@ -21,11 +24,11 @@ import wasmtime
 from ..engine.gc_tuning import tune_gc, untune_gc
 from ..engine.loop import Engine
 from ..wasm.component_linker import ComponentLinker
-from ..wasm.fiber import AsyncLinker, EpochTicker, Ready, make_async_engine
+from ..wasm.fiber import AsyncLinker, EpochTicker, LaneRound, Ready, make_async_engine
 from ..wasm.program import Program, load_program, load_program_file
 from .component import ComponentProcess, component_linker
 from .core_abi import WASI_CALLS, CoreCalls, wasi_failure
-from .process import Process, ProcessLimits
+from .process import Process, ProcessLimits, submit_lane_requests
 from .syscalls import Wait
 from .timers import Timers
 from .tools import ToolRegistry, default_tools
@@ -81,6 +84,11 @@ class Worker:
         # wake-up reads nothing of the (by then cold) process to queue it.
         self._ready: dict[Process, bool] = {}
         self._urgent = 0  # queued processes that were not merely preempted
+        # The decode lane's: processes whose lane request was answered, put here by their answer
+        # on the driving thread (Process.lane_answered), moved to _lane_ready by `kick`.
+        self._lane_answered: list[Process] = []
+        self._lane_ready: list[Process] = []
+        self._lane_round = LaneRound()
         self._lock = threading.Lock()  # taken directly: a Condition's own `with` is Python code
         self._cond = threading.Condition(self._lock)
         self._stopping = False
@@ -94,14 +102,15 @@ class Worker:
         """Are there processes the next batch should wait for: woken (a pred done, a message,
         a kill) or just started, queued or being polled now? Preempted guests, which only
         compute, hold nothing back."""
-        return self._urgent > 0 or self._round_urgent
+        return self._urgent > 0 or self._round_urgent or bool(self._lane_ready) or bool(self._lane_answered)
 
     @property
     def has_ready(self) -> bool:
-        return bool(self._ready)
+        return bool(self._ready) or bool(self._lane_ready)
 
     def add(self, process: Process) -> None:
         process.wake = self.wake
+        process.lane_answered = self._lane_answered
         with self._lock:
             self.processes.add(process)
         self.wake(process)
@@ -124,37 +133,42 @@ class Worker:
     def kick(self) -> None:
         """Start a round if anything is queued (after the driver delivered a batch)."""
         with self._lock:
-            if self._ready:
+            answered = self._lane_answered
+            if answered:
+                self._lane_ready += answered
+                answered.clear()  # (the processes hold this list)
+            if self._ready or self._lane_ready:
                 self._cond.notify()
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._ready and not self._stopping:
+                while not self._ready and not self._lane_ready and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
                     return
-                batch = self._take_round()
-            self._run_round(batch)
+                batch, lane = self._take_round()
+            self._run_round(batch, lane)
             self.driver.round_done()
 
     def run_ready(self) -> bool:
         """Run one round of the queued processes here and now; False if none was queued."""
         with self._lock:
-            if not self._ready:
+            if not self._ready and not self._lane_ready:
                 return False
-            batch = self._take_round()
-        self._run_round(batch)
+            batch, lane = self._take_round()
+        self._run_round(batch, lane)
         return True
 
-    def _take_round(self) -> list[tuple[Process, bool]]:
+    def _take_round(self) -> tuple[list[tuple[Process, bool]], list[Process]]:
         batch = list(self._ready.items())
         self._ready.clear()
-        self._round_urgent = self._urgent > 0
+        lane, self._lane_ready = self._lane_ready, []
+        self._round_urgent = self._urgent > 0 or bool(lane)
         self._urgent = 0
-        return batch
+        return batch, lane
 
-    def _run_round(self, batch: list[tuple[Process, bool]]) -> None:
+    def _run_round(self, batch: list[tuple[Process, bool]], lane: list[Process] = ()) -> None:
         # CPU time: each process is charged the wall time it took, times the share of wall time
         # this thread spent on a CPU in the round before (the thread's CPU time, read once per
         # round: 0.5 us a read here). Charged as each process ends its turn, while its fields
@@ -171,6 +185,9 @@ class Worker:
         last = len(batch) - 1
         for index, (process, _) in enumerate(batch):
             if index == release_at:
+                if lane:  # (their preds are for the next batch too)
+                    self._run_lane(lane, cpu_per_wall)
+                    lane, started = (), clock()
                 with self._lock:
                     self._round_urgent = False
                 self.driver.round_done()
@@ -180,20 +197,45 @@ class Worker:
             now = clock()  # one read per process: its end is the next one's start
             process.cpu_time_s += (now - started) * cpu_per_wall
             started = now
-            if outcome == "waiting":  # the common case first
-                continue
-            if outcome == "preempted":
-                self.wake(process, preempted=True)
-            elif outcome == "continue":
-                self.wake(process)
-            elif outcome == "ended":
-                with self._lock:
-                    self.processes.discard(process)
+            if outcome != "waiting":  # the common case first
+                self._after(process, outcome)
+        if lane:
+            self._run_lane(lane, cpu_per_wall)
+            started = clock()
         wall = started - round_started
         if wall > 0:
             self._cpu_per_wall = min(1.0, (time.thread_time() - cpu_started) / wall)
         with self._lock:
             self._round_urgent = False
+
+    def _after(self, process: Process, outcome: str) -> None:
+        """What a process's turn that did not leave it waiting asks of its worker."""
+        if outcome == "preempted":
+            self.wake(process, preempted=True)
+        elif outcome == "continue":
+            self.wake(process)
+        elif outcome == "ended":
+            with self._lock:
+                self.processes.discard(process)
+
+    def _run_lane(self, lane: list[Process], cpu_per_wall: float) -> None:
+        """Resume the processes whose lane request was answered, in one native call (C charges
+        each its CPU time); their next requests go to the engine, and the few that did
+        anything else go on the ordinary way."""
+        lane_round = self._lane_round
+        asked, others = lane_round.run(array.array("Q", [process.poll_address for process in lane]), cpu_per_wall)
+        if asked:
+            submit_lane_requests(self.driver.engine, lane, lane_round, asked)
+        if others:
+            clock = time.perf_counter
+            indices, states = lane_round.others, lane_round.states
+            for k in range(others):
+                process = lane[indices[k]]
+                started = clock()
+                outcome = process.after_lane_round(states[k])
+                process.cpu_time_s += (clock() - started) * cpu_per_wall
+                if outcome != "waiting":
+                    self._after(process, outcome)
 
     def stop(self) -> None:
         with self._cond:

@@ -130,7 +130,7 @@ class ServedProcess:
         return {"pid": self.pid, "tenant": self.tenant.name, "program": self.program.sha256,
                 "name": self.program.name, "args": self.args, "state": p.state.value,
                 "exit_code": p.exit_code, "end_reason": p.end_reason, "detached": self.detached,
-                "attached": self.attached, "cpu_time_s": round(p.cpu_time_s, 4),
+                "attached": self.attached, "cpu_time_s": round(p.cpu_seconds, 4),
                 "launched_at": self.launched_at, "log_tail": self.log_tail}
 
 

@@ -28,6 +28,11 @@ ctypes layer (`wasmtime._ffi`). The C API's rules, and what breaking them did:
 - A call in a shape the host named (`FastCall`, `Fiber.set_fast_call`: a LIP's decode step) is
   recognised by C as it is recorded, and its handler gets its arguments and the one value it
   reads from guest memory already checked, with no HostCall (lip/process.py's `_fast_pred`).
+- The decode lane goes further (`Fiber.set_lane`, `lane_open`, `LaneRound`): C answers a LIP's
+  decode steps on one KV handle itself, and resumes a whole round of guests waiting in them in
+  one call; any other call closes the lane, and the host takes back what it counted
+  (`Fiber.lane_fold`) before that call is handled. Python runs nothing per guest and token
+  there but the engine's queueing (lip/process.py's `submit_lane_requests`).
 - The slot (`_Slot`, fiber_native.c's sym_fiber_slot, checked field by field at import) is
   all the memory the two halves share: a call's arguments are copied into it, its answer is
   written into it, and C copies that to wasmtime's own arrays; Python reads and writes no
@@ -35,6 +40,7 @@ ctypes layer (`wasmtime._ffi`). The C API's rules, and what breaking them did:
 """
 from __future__ import annotations
 
+import array
 import atexit
 import ctypes
 import itertools
@@ -103,7 +109,14 @@ _engine_clone = raw_prototype("wasmtime_engine_clone", _vp, _vp)
 _engine_delete = raw_prototype("wasm_engine_delete", None, _vp)
 _INCREMENT_EPOCH = ctypes.cast(ffi.dll["wasmtime_engine_increment_epoch"], _vp).value
 _NANOSLEEP = ctypes.cast(ctypes.CDLL(None).nanosleep, _vp).value  # the C library's
-_POLL_FINISHED, _POLL_CALLED, _POLL_FAST_CALL = 1, 2, 3  # sym_fiber_poll's answers (0: waiting or yielded)
+_native.sym_lane_init.restype, _native.sym_lane_init.argtypes = None, [_vp]
+_native.sym_lane_init(ctypes.cast(ctypes.CDLL(None).clock_gettime, _vp))
+_lane_round = _native.sym_lane_round
+_lane_round.restype = ctypes.c_uint64
+_lane_round.argtypes = [_vp, ctypes.c_uint64, ctypes.c_uint64, _vp, _vp, _vp, _vp, _vp, _vp]
+_fiber_polled = _native.sym_fiber_polled
+_fiber_polled.restype, _fiber_polled.argtypes = _vp, []
+_POLL_FINISHED, _POLL_CALLED, _POLL_FAST_CALL, POLL_LANE = 1, 2, 3, 4  # sym_fiber_poll's answers (0: waiting or yielded)
 _BLOCKING_CALL = ctypes.cast(_native.sym_fiber_blocking_call, _vp).value
 _SYNC_CALL = ctypes.cast(_native.sym_fiber_sync_call, _vp).value
 
@@ -134,7 +147,12 @@ class _Slot(ctypes.Structure):
                 ("host_object_bytes", ctypes.c_uint64 * MAX_PREFETCHED_OBJECTS),
                 ("fast", _FastShape * MAX_FAST_CALLS), ("fast_memory", _vp),
                 ("fast_memory_handle", ctypes.c_uint8 * _MEMORY_HANDLE_BYTES), ("fast_index", ctypes.c_uint64),
-                ("fast_value", ctypes.c_int64)]
+                ("fast_value", ctypes.c_int64), ("lane_open", ctypes.c_uint64), ("lane_kv", ctypes.c_int64),
+                ("lane_budget", ctypes.c_int64), ("lane_room", ctypes.c_int64), ("lane_ticket", ctypes.c_int64),
+                ("lane_pending", ctypes.c_uint64), ("lane_pending_ticket", ctypes.c_int64),
+                ("lane_token", ctypes.c_int64), ("lane_calls", ctypes.c_uint64), ("lane_ns", ctypes.c_uint64),
+                ("lane_ns_limit", ctypes.c_uint64), ("lane_ticks", ctypes.c_uint64),
+                ("lane_shapes", ctypes.c_uint64 * 3)]
 
 
 def _check_slot_layout() -> None:
@@ -154,9 +172,15 @@ _native.sym_fiber_slot_layout.argtypes = [ctypes.POINTER(ctypes.c_uint32), ctype
 _check_slot_layout()
 # The slot as 64-bit words, for the fields a round touches (a memoryview index is ~30 ns; a
 # Structure attribute several times that): each word's index, from _Slot's offsets.
-_FUTURE, _CONTEXT, _FUNCTION, _CALLER, _ANSWERED, _TRAP, _FAST_INDEX, _FAST_VALUE = (
+_FUTURE, _CONTEXT, _CALLED, _FUNCTION, _CALLER, _ANSWERED, _TRAP, _FAST_INDEX, _FAST_VALUE = (
     getattr(_Slot, name).offset // 8
-    for name in ("future", "context", "function", "caller", "answered", "trap", "fast_index", "fast_value"))
+    for name in ("future", "context", "called", "function", "caller", "answered", "trap", "fast_index", "fast_value"))
+(_LANE_OPEN, _LANE_KV, _LANE_BUDGET, _LANE_ROOM, _LANE_TICKET, _LANE_PENDING, _LANE_PENDING_TICKET, _LANE_TOKEN,
+ _LANE_CALLS, _LANE_NS, _LANE_NS_LIMIT, _LANE_TICKS, _LANE_SHAPES) = (
+    getattr(_Slot, name).offset // 8
+    for name in ("lane_open", "lane_kv", "lane_budget", "lane_room", "lane_ticket", "lane_pending",
+                 "lane_pending_ticket", "lane_token", "lane_calls", "lane_ns", "lane_ns_limit", "lane_ticks",
+                 "lane_shapes"))
 _HOST_OBJECTS, _HOST_OBJECT_BYTES = _Slot.host_objects.offset // 8, _Slot.host_object_bytes.offset // 8
 _ARGS_OFFSET, _ANSWER_OFFSET = _Slot.args.offset, _Slot.answer.offset
 # A fast call's one i32 result, as two words of the slot's first answer value: its kind (i32 is
@@ -402,6 +426,7 @@ class _HostFunction:
 # operations are atomic under the GIL, so threads may share it without a lock.
 _FUNCTIONS: dict[int, _HostFunction] = {}
 _next_key = itertools.count(1)
+_LANE_FIBERS: dict[int, "Fiber"] = {}  # slot address -> a fiber with a decode lane (Fiber.set_lane)
 _STORES_IN_CALL: set[int] = set()
 
 
@@ -470,9 +495,14 @@ def _handle_sync_call(key):
     """Runs a `define_func` handler for fiber_native.c's sym_fiber_sync_call, which recorded
     the call in the polled fiber's slot: the answer goes there too. Returns 0, or a trap
     pointer. Never raises."""
-    function, call, fiber = _FUNCTIONS.get(key), None, _polling.fiber
+    function, call, fiber, outer = _FUNCTIONS.get(key), None, _polling.fiber, None
+    if fiber is None:  # polled by lane_round, in C
+        fiber = _polling.fiber = _LANE_FIBERS.get(_fiber_polled())
+        outer = False
     try:
         view, fields = fiber._view, fiber._fields
+        if fields[_LANE_OPEN] == 2:  # the lane closed for this call: the host takes back its counts first
+            fiber.lane_fold()
         if fields[_FAST_INDEX]:  # a fast call (Fiber.set_fast_call): its handler first
             value = fiber._fast[fields[_FAST_INDEX] - 1][1](fiber, function.params.read(view, _ARGS_OFFSET),
                                                            fields[_FAST_VALUE])
@@ -489,6 +519,8 @@ def _handle_sync_call(key):
     finally:
         if call is not None:
             call._caller = None
+        if outer is False:
+            _polling.fiber = None
 
 
 _native.sym_fiber_init_memory_size.restype, _native.sym_fiber_init_memory_size.argtypes = None, [_vp]
@@ -598,6 +630,38 @@ class AsyncLinker:
         return fiber.result[0]
 
 
+class LaneRound:
+    """fiber_native.c's sym_lane_round with its arrays (one per polling thread): resumes a
+    round of fibers whose lane request was answered, each until its next one, in one call.
+    `run(addresses, scale)` takes their `slot_address`es and the CPU share to charge wall
+    time by; then `requests[:asked]` are the indices of those that made a new lane request
+    (`kvs`, `tokens`: its handle and token) and `others[:n_others]` of the rest, with each
+    one's poll answer in `states` (-1: not polled, its lane closed; else `after_lane_round`'s)."""
+
+    def __init__(self):
+        self._capacity = 0
+        self._n_others = ctypes.c_uint64()
+        self._n_others_address = ctypes.addressof(self._n_others)
+
+    def _grow(self, n: int) -> None:
+        self._capacity = n
+        self._buffers = [(ctypes.c_uint32 * n)(), (ctypes.c_int32 * n)(), (ctypes.c_int32 * n)(),
+                         (ctypes.c_uint32 * n)(), (ctypes.c_int32 * n)()]
+        self._addresses = [ctypes.addressof(buffer) for buffer in self._buffers]
+        self.requests, self.kvs, self.tokens, self.others, self.states = (memoryview(b).cast("B").cast(b._type_._type_)
+                                                                          for b in self._buffers)
+
+    def run(self, addresses: array.array, scale: float) -> tuple[int, int]:
+        """(requests made, others)."""
+        n = len(addresses)
+        if n > self._capacity:
+            self._grow(max(n, 2 * self._capacity))
+        requests, kvs, tokens, others, states = self._addresses
+        asked = _lane_round(addresses.buffer_info()[0], n, int(scale * 65536), requests, kvs, tokens, others, states,
+                            self._n_others_address)
+        return asked, self._n_others.value
+
+
 class Fiber:
     """A guest call in progress on its own wasmtime fiber stack.
 
@@ -616,7 +680,7 @@ class Fiber:
     # Slots: a scheduler touches every fiber's fields on every round; no per-fiber dict to fetch.
     __slots__ = ("owner", "result", "trap", "trap_code", "exit_code", "error", "_deferred", "_wait", "_wait_call",
                  "_slot", "slot_address", "_view", "_fields", "_store", "_collect", "_keep", "_trap_slot",
-                 "_error_slot", "_future", "_fast")
+                 "_error_slot", "_future", "_fast", "lane_fold")
 
     def __init__(self, store: wasmtime.Store, func: wasmtime.Func, args: Sequence[Value] = (),
                  owner: object = None):
@@ -684,6 +748,7 @@ class Fiber:
         self._future = _address(start(ctypes.byref(self._trap_slot), ctypes.byref(self._error_slot)))
         self._fields[_FUTURE] = self._future
         self._fast: list | None = None  # set_fast_call's (function, handler) by shape
+        self.lane_fold: Callable[[], None] | None = None  # set_lane's
         self.prefetch_with(())
         _STORES_IN_CALL.add(id(store))
 
@@ -708,7 +773,7 @@ class Fiber:
                 0 if item is None else min(_OBJECT_PREFIX + sys.getsizeof(item), _MAX_OBJECT_BYTES)
 
     def set_fast_call(self, shape: FastCall, linker: AsyncLinker, memory: wasmtime.Memory,
-                      handler: Callable[["Fiber", tuple, int], "int | bool | None"]) -> None:
+                      handler: Callable[["Fiber", tuple, int], "int | bool | None"]) -> int:
         """Take the guest's calls of `shape` (a function of `linker` with one i32 result) through
         `handler(fiber, args, value)` (`value`: the i32 that FastCall reads), with no HostCall
         and nothing decoded twice; at most MAX_FAST_CALLS shapes a fiber. The handler returns
@@ -716,7 +781,7 @@ class Fiber:
         a blocking function it returns True once it answered with `answer_fast_call` (the guest
         runs on), or False: the guest waits until `answer_fast_call` is called (from any
         thread). For one that never blocks it returns the result. It must not raise. `memory`
-        is the guest's memory export."""
+        is the guest's memory export. Returns the shape's index (what `set_lane` takes)."""
         key = linker.keys[(shape.module, shape.name)]
         function = _FUNCTIONS[key]
         if function.results.kinds != (0,):
@@ -745,6 +810,82 @@ class Fiber:
             self._fast = [None] * MAX_FAST_CALLS
         self._fast[index] = (function, handler)
         entry.function = key  # last: C recognises the call from now on
+        return index
+
+    # ---- the decode lane (fiber_native.c): a LIP's decode steps answered in C ----
+
+    def set_lane(self, pred: int | None, submit: int | None, wait: int | None, fold: Callable[[], None]) -> None:
+        """Make the fast calls of these indices (`set_fast_call`'s; None: none) the lane's
+        `pred`, `pred_submit` and `pred_wait`. `fold()` is the host's way of taking back what
+        the lane counted (`lane_take`) once C closed it: it runs before the call that closed it
+        is handled (on the polling thread), or wherever else the host looks first."""
+        fields = self._fields
+        fields[_LANE_OPEN] = 0
+        for i, index in enumerate((pred, submit, wait)):
+            fields[_LANE_SHAPES + i] = 0 if index is None else index + 1
+        self.lane_fold = fold
+        _LANE_FIBERS[self.slot_address] = self
+
+    def lane_open(self, kv: int, budget: int, room: int, ticket: int, ns_limit: int, ticks: int) -> None:
+        """Let C answer the guest's decode steps on handle `kv` (fiber_native.c's lane): at most
+        `budget` host calls and `room` tokens, tickets numbered from `ticket`, until the CPU
+        time it charges reaches `ns_limit`; each resumed guest gets a slice of `ticks`. Only
+        while it is closed and taken back (`lane_take`)."""
+        fields = self._fields
+        fields[_LANE_KV], fields[_LANE_BUDGET], fields[_LANE_ROOM] = kv, budget, room
+        fields[_LANE_TICKET], fields[_LANE_NS_LIMIT], fields[_LANE_TICKS] = ticket, ns_limit, ticks
+        fields[_LANE_OPEN] = 1  # last: C answers from now on
+
+    @property
+    def lane_state(self) -> int:
+        """0 closed, 1 open, 2 closed by C (or `lane_close`) with counts to take back."""
+        return self._fields[_LANE_OPEN]
+
+    def lane_close(self) -> None:
+        """Close an open lane from any thread (a kill): the host takes it back at its next look."""
+        fields = self._fields
+        if fields[_LANE_OPEN] == 1:
+            fields[_LANE_OPEN] = 2
+
+    def lane_take(self) -> tuple[int, int, int, int, int, int]:
+        """Close the lane and take back what it counted since the last take: (host calls, the
+        next ticket, CPU ns, pending, its ticket, its token). `pending` 1 is a `pred_submit`
+        C answered and nobody queued: the caller queues it now, the lane forgets it; 2, a
+        request the guest waits in (queued already: its answer ends it)."""
+        fields = self._fields
+        fields[_LANE_OPEN] = 0
+        taken = (fields[_LANE_CALLS], fields[_LANE_TICKET], fields[_LANE_NS], fields[_LANE_PENDING],
+                 fields[_LANE_PENDING_TICKET], fields[_LANE_TOKEN])
+        fields[_LANE_CALLS] = fields[_LANE_NS] = 0
+        if taken[3] == 1:
+            fields[_LANE_PENDING] = 0
+        return taken
+
+    @property
+    def lane_cpu_ns(self) -> int:
+        """The CPU time the lane charged since it was last taken back."""
+        return self._fields[_LANE_NS]
+
+    @property
+    def lane_waiting(self) -> bool:
+        """Did the last poll leave the guest waiting in a lane call (`lane_request` says which)?"""
+        return self._fields[_CALLED] == POLL_LANE
+
+    def lane_request(self) -> tuple[int, int]:
+        """The request the guest waits in: (its KV handle, its token)."""
+        fields = self._fields
+        return fields[_LANE_KV], fields[_LANE_TOKEN]
+
+    def after_lane_round(self, state: int) -> bool:
+        """Go on from the poll `LaneRound` made (its answer `state`, never -1) as `poll` goes on
+        from its own: a call taken, the guest polled on while its calls are answered at once.
+        True once finished."""
+        outer, _polling.fiber = _polling.fiber, self
+        try:
+            state = self._take_calls(state)
+        finally:
+            _polling.fiber = outer
+        return self._after_poll(state)
 
     def answer_fast_call(self, value: int) -> None:
         """Answer the blocking fast call the guest waits in (`set_fast_call`) with its i32; the
@@ -760,6 +901,8 @@ class Fiber:
         """The blocking fast call the guest just made (fiber_native.c recognised its shape):
         through its handler, else the ordinary way. True if answered at once (the guest runs on)."""
         fields = self._fields
+        if fields[_LANE_OPEN] == 2:  # the lane closed for this call: the host takes back its counts first
+            self.lane_fold()
         function, handler = self._fast[fields[_FAST_INDEX] - 1]
         try:
             taken = handler(self, function.params.read(self._view, _ARGS_OFFSET), fields[_FAST_VALUE])
@@ -782,16 +925,24 @@ class Fiber:
             waiting = self._wait
             if waiting is not None and waiting.done:
                 _deliver(self)  # the guest resumes in this poll
-            while True:
-                state = _fiber_poll(self.slot_address, time_slice_ticks, prefetch)
-                if state == _POLL_CALLED:
-                    if not self._take_call():
-                        break
-                elif state != _POLL_FAST_CALL or not self._take_fast_call():
-                    break
-                time_slice_ticks, prefetch = 0, None  # answered at once: on in its slice (the next one fetched)
+            state = self._take_calls(_fiber_poll(self.slot_address, time_slice_ticks, prefetch))
         finally:
             _polling.fiber = outer
+        return self._after_poll(state)
+
+    def _take_calls(self, state: int) -> int:
+        """Take the call a poll ended in, and poll on while calls are answered at once (on in
+        the same slice): the last poll's answer."""
+        address = self.slot_address
+        while True:
+            if state == _POLL_CALLED:
+                if not self._take_call():
+                    return state
+            elif state != _POLL_FAST_CALL or not self._take_fast_call():
+                return state
+            state = _fiber_poll(address, 0, None)
+
+    def _after_poll(self, state: int) -> bool:
         finished = state == _POLL_FINISHED or self._future is None  # the call's handler closed it
         if self._future is not None and finished:
             self._finish()
@@ -807,6 +958,8 @@ class Fiber:
         fields = self._fields
         function, call = _FUNCTIONS.get(fields[_FUNCTION]), None
         try:
+            if fields[_LANE_OPEN] == 2:  # (see _take_fast_call)
+                self.lane_fold()
             call = HostCall(fields[_CALLER], self)
             outcome = function.handler(call, function.params.read(self._view, _ARGS_OFFSET))
             if self._future is not None:  # else the handler closed this fiber: the call's slots are gone
@@ -861,6 +1014,7 @@ class Fiber:
         if future is None:
             return
         self._fields[_FUTURE] = 0
+        _LANE_FIBERS.pop(self.slot_address, None)
         # Garbage cycles are finalized in any order (every module's globals at exit): if
         # wasmtime-py already freed something the future points into, deleting the future
         # would touch freed memory, so it is left alone.

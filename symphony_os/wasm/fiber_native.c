@@ -38,6 +38,8 @@
 #define SYM_FIBER_FAST_CALLS 4
 #define SYM_FAST_NONE ((uint64_t)-1)
 
+typedef struct { int64_t seconds; int64_t nanoseconds; } sym_timespec; /* struct timespec, LP64 */
+
 typedef struct { /* wasmtime_val_t: a kind byte, then the value at offset 8 */
     uint8_t kind;
     uint8_t padding[7];
@@ -89,6 +91,21 @@ typedef struct {
     uint8_t fast_memory_handle[SYM_FIBER_MEMORY_HANDLE]; /* its wasmtime_memory_t, for its size now */
     uint64_t fast_index;          /* the call just recorded: 1 + the index of its fast shape, or 0 */
     int64_t fast_value;           /* the i32 that shape reads, once recognised */
+    /* The decode lane (lane_take_*, sym_lane_round). The host writes these only while lane_open
+       is 0, except lane_open itself (a kill closes it from any thread). */
+    uint64_t lane_open;           /* 0 closed, 1 open, 2 closed with counts for the host to take back */
+    int64_t lane_kv;              /* the one KV handle whose decode steps it takes */
+    int64_t lane_budget;          /* host calls it may still answer (up to the rate's next check) */
+    int64_t lane_room;            /* tokens it may still queue (the KV page limit) */
+    int64_t lane_ticket;          /* the next pred_submit ticket: the process's counter while open */
+    uint64_t lane_pending;        /* 0 none; 1 a pred_submit answered, not queued yet; 2 the guest waits for it */
+    int64_t lane_pending_ticket;  /* that pred's ticket (0: a blocking pred) */
+    int64_t lane_token;           /* and its token */
+    uint64_t lane_calls;          /* host calls answered since the host last took them */
+    uint64_t lane_ns;             /* CPU time sym_lane_round charged since then */
+    uint64_t lane_ns_limit;       /* past it, sym_lane_round polls no more (the CPU-time limit) */
+    uint64_t lane_ticks;          /* the time slice a resumed guest gets */
+    uint64_t lane_shapes[3];      /* 1 + the fast-call index of pred, pred_submit and pred_wait (0: none) */
 } sym_fiber_slot;
 
 typedef bool (*future_poll_fn)(void *future);
@@ -127,7 +144,12 @@ unsigned sym_fiber_slot_layout(uint32_t *out, unsigned cap) {
         offsetof(sym_fiber_slot, host_objects), offsetof(sym_fiber_slot, host_object_bytes),
         offsetof(sym_fiber_slot, fast), offsetof(sym_fiber_slot, fast_memory),
         offsetof(sym_fiber_slot, fast_memory_handle), offsetof(sym_fiber_slot, fast_index),
-        offsetof(sym_fiber_slot, fast_value), sizeof(sym_fast_call), offsetof(sym_fast_call, fixed),
+        offsetof(sym_fiber_slot, fast_value), offsetof(sym_fiber_slot, lane_open), offsetof(sym_fiber_slot, lane_kv),
+        offsetof(sym_fiber_slot, lane_budget), offsetof(sym_fiber_slot, lane_room),
+        offsetof(sym_fiber_slot, lane_ticket), offsetof(sym_fiber_slot, lane_pending),
+        offsetof(sym_fiber_slot, lane_pending_ticket), offsetof(sym_fiber_slot, lane_token),
+        offsetof(sym_fiber_slot, lane_calls), offsetof(sym_fiber_slot, lane_ns), offsetof(sym_fiber_slot, lane_ns_limit),
+        offsetof(sym_fiber_slot, lane_ticks), offsetof(sym_fiber_slot, lane_shapes), sizeof(sym_fast_call), offsetof(sym_fast_call, fixed),
         offsetof(sym_fast_call, read_arg), SYM_FIBER_FAST_CALLS,
         SYM_FIBER_MAX_ARGS, SYM_FIBER_MAX_RESULTS, SYM_FIBER_HOST_OBJECTS, sizeof(sym_val), SYM_FIBER_MEMORY_HANDLE,
     };
@@ -153,6 +175,8 @@ static bool read_answered(void *env) {
     sym_fiber_slot *slot = env;
     if (*(volatile uint8_t *)slot->answered == 0)
         return false;
+    if (slot->lane_pending == 2) /* the lane's request, answered */
+        slot->lane_pending = 0;
     deliver(slot, slot->results, slot->trap_ret);
     return true;
 }
@@ -227,6 +251,60 @@ static uint64_t fast_match(sym_fiber_slot *slot) {
     return index + 1;
 }
 
+/* The decode lane. A lane call is a fast call (fast_match) of the lane's shapes on its handle,
+ * within its budget and room; anything else closes the lane and goes the ordinary way. */
+enum { LANE_PRED, LANE_SUBMIT, LANE_WAIT };
+#define LANE_LAST_TICKET 0x7ffffffe /* tickets are positive i32s */
+
+static bool lane_close(sym_fiber_slot *slot) {
+    slot->lane_open = 2;
+    return false;
+}
+
+static int32_t arg_i32(const sym_fiber_slot *slot, unsigned index) { return *(const int32_t *)slot->args[index].of; }
+
+/* A call that never blocks: a lane `pred_submit` is answered here (its ticket into `results`). */
+static bool lane_take_sync(sym_fiber_slot *slot, sym_val *results) {
+    if (slot->fast_index == 0 || slot->fast_index != slot->lane_shapes[LANE_SUBMIT] || slot->lane_pending != 0
+        || arg_i32(slot, 0) != slot->lane_kv || slot->lane_budget < 2 || slot->lane_room < 1
+        || slot->lane_ticket > LANE_LAST_TICKET) /* (budget 2: its pred_wait's call as well) */
+        return lane_close(slot);
+    int64_t ticket = slot->lane_ticket++;
+    slot->lane_pending = 1;
+    slot->lane_pending_ticket = ticket;
+    slot->lane_token = slot->fast_value;
+    slot->lane_budget--;
+    slot->lane_room--;
+    slot->lane_calls++;
+    results[0].kind = 0; /* WASMTIME_I32 */
+    *(int32_t *)results[0].of = (int32_t)ticket;
+    return true;
+}
+
+/* A blocking call: `pred_wait` on the lane's pending ticket, or a blocking `pred` on its handle,
+ * leaves the guest waiting with its request in the slot. */
+static bool lane_take_blocking(sym_fiber_slot *slot) {
+    uint64_t index = slot->fast_index;
+    if (index == 0 || slot->lane_budget < 1)
+        return lane_close(slot);
+    if (index == slot->lane_shapes[LANE_WAIT]) {
+        if (slot->lane_pending != 1 || arg_i32(slot, 0) != slot->lane_pending_ticket)
+            return lane_close(slot);
+    } else if (index == slot->lane_shapes[LANE_PRED]) {
+        if (slot->lane_pending != 0 || arg_i32(slot, 0) != slot->lane_kv || slot->lane_room < 1)
+            return lane_close(slot);
+        slot->lane_pending_ticket = 0;
+        slot->lane_token = slot->fast_value;
+        slot->lane_room--;
+    } else {
+        return lane_close(slot);
+    }
+    slot->lane_pending = 2;
+    slot->lane_budget--;
+    slot->lane_calls++;
+    return true;
+}
+
 /* wasmtime_func_async_callback_t of every blocking host function (env: the function's key). */
 void sym_fiber_blocking_call(void *env, void *caller, const sym_val *args, size_t nargs, sym_val *results,
                              size_t nresults, void **trap_ret, sym_continuation *continuation) {
@@ -240,7 +318,10 @@ void sym_fiber_blocking_call(void *env, void *caller, const sym_val *args, size_
     slot->stack = (const char *)__builtin_frame_address(0);
     slot->answered[0] = 0;
     slot->fast_index = fast_match(slot);
-    slot->called = slot->fast_index ? 3 : 1;
+    if (slot->lane_open == 1 && lane_take_blocking(slot))
+        slot->called = 4;
+    else
+        slot->called = slot->fast_index ? 3 : 1;
     continuation->callback = read_answered;
     continuation->env = slot;
 }
@@ -255,6 +336,8 @@ void *sym_fiber_sync_call(void *env, void *caller, const sym_val *args, size_t n
     if (slot == 0)
         return trap;
     slot->fast_index = fast_match(slot);
+    if (slot->lane_open == 1 && lane_take_sync(slot, results))
+        return 0;
     void *failed = sync_handler(slot->function);
     if (failed != 0) {
         slot->trap = 0;
@@ -292,8 +375,8 @@ static void prefetch_slot(const sym_fiber_slot *slot) {
 }
 
 /* Run the fiber's guest on: 1 once its call finished, 2 if it made a blocking call (recorded
- * in the slot), 3 if that call is a fast call (fast_match; recorded all the same), 0 if it
- * waits or yielded. A nonzero `time_slice_ticks` gives it a fresh slice
+ * in the slot), 3 if that call is a fast call (fast_match; recorded all the same), 4 if it waits
+ * in a decode-lane call (its request in the slot), 0 if it waits or yielded. A nonzero `time_slice_ticks` gives it a fresh slice
  * first, which lasts until the (time_slice_ticks + 1)th tick from now. `next`, when not null,
  * is the slot of the fiber the caller polls next: it is prefetched meanwhile (prefetch_slot);
  * it must be a live slot, though its fiber may have finished. Nested polls (from a sync host
@@ -310,8 +393,71 @@ int sym_fiber_poll(sym_fiber_slot *slot, uint64_t time_slice_ticks, const sym_fi
     slot->called = 0;
     bool finished = future_poll(slot->future);
     polled = outer;
-    return finished ? 1 : (slot->called == 3 ? 3 : slot->called ? 2 : 0);
+    return finished ? 1 : (slot->called >= 3 ? (int)slot->called : slot->called ? 2 : 0);
 }
+
+/* The clock sym_lane_round charges CPU time by: the C library's clock_gettime, passed in. */
+typedef int (*clock_gettime_fn)(int clock, sym_timespec *now);
+static clock_gettime_fn clock_gettime_of_libc;
+#define SYM_CLOCK_MONOTONIC 1
+
+void sym_lane_init(void *clock_gettime) { clock_gettime_of_libc = (clock_gettime_fn)clock_gettime; }
+
+static uint64_t now_ns(void) {
+    sym_timespec now;
+    clock_gettime_of_libc(SYM_CLOCK_MONOTONIC, &now);
+    return (uint64_t)now.seconds * 1000000000u + (uint64_t)now.nanoseconds;
+}
+
+/* The decode lane's round: resume each of `slots` (guests whose lane request was answered),
+ * each with a fresh time slice, until its next lane request: its index goes into `requests`
+ * and its handle and token into `kvs` and `tokens`; the number of them is returned. A guest
+ * that did anything else (another call, a yield, the end), or was not polled (its lane closed,
+ * its fiber closed, past its CPU time), goes into `others` with poll's answer (-1: not polled),
+ * `*n_others` of them, for the host to go on with as after its own poll. Each guest is charged
+ * its wall time times `scale_q16` / 65536 (the thread's CPU share) in lane_ns. */
+uint64_t sym_lane_round(sym_fiber_slot *const *slots, uint64_t n, uint64_t scale_q16, uint32_t *requests,
+                        int32_t *kvs, int32_t *tokens, uint32_t *others, int32_t *states, uint64_t *n_others) {
+    uint64_t asked = 0, other = 0;
+    uint64_t started = now_ns();
+    for (uint64_t i = 0; i < n; i++) {
+        sym_fiber_slot *slot = slots[i];
+        if (i + 1 < n)
+            prefetch_slot(slots[i + 1]);
+        if (slot->future == 0 || slot->lane_open != 1 || slot->lane_ns >= slot->lane_ns_limit
+            || *(volatile uint8_t *)slot->answered == 0) {
+            if (slot->lane_open == 1 && slot->lane_ns >= slot->lane_ns_limit)
+                slot->lane_open = 2;
+            others[other] = (uint32_t)i;
+            states[other++] = -1;
+            continue;
+        }
+        if (slot->lane_ticks)
+            set_epoch_deadline(slot->context, slot->lane_ticks + 1);
+        sym_fiber_slot *outer = polled;
+        polled = slot;
+        slot->called = 0;
+        bool finished = future_poll(slot->future);
+        polled = outer;
+        uint64_t ended = now_ns();
+        slot->lane_ns += ((ended - started) * scale_q16) >> 16;
+        started = ended;
+        if (!finished && slot->called == 4) {
+            requests[asked] = (uint32_t)i;
+            kvs[asked] = (int32_t)slot->lane_kv;
+            tokens[asked++] = (int32_t)slot->lane_token;
+        } else {
+            others[other] = (uint32_t)i;
+            states[other++] = finished ? 1 : (slot->called >= 3 ? (int)slot->called : slot->called ? 2 : 0);
+        }
+    }
+    *n_others = other;
+    return asked;
+}
+
+/* The slot of the fiber this thread polls (0: none): how a host call made during
+   sym_lane_round finds its fiber. */
+sym_fiber_slot *sym_fiber_polled(void) { return polled; }
 
 /* The epoch ticker: increments `engine`'s epoch every `interval_ns` until `*stop` is set. It
  * runs on a thread of its own, entered through ctypes (which releases the GIL for the call), so
@@ -320,7 +466,6 @@ int sym_fiber_poll(sym_fiber_slot *slot, uint64_t time_slice_ticks, const sym_fi
  * the caller, which deletes it once this returns; a process that exits with the ticker running
  * leaks it rather than free it under the loop. `nanosleep` is the C library's, passed in (this
  * file is built without one). */
-typedef struct { int64_t seconds; int64_t nanoseconds; } sym_timespec; /* struct timespec, LP64 */
 typedef int (*nanosleep_fn)(const sym_timespec *request, sym_timespec *remaining);
 typedef void (*increment_epoch_fn)(void *engine);
 
