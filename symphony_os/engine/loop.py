@@ -81,6 +81,15 @@ def default_num_pages(loaded: LoadedModel, page_size: int, memory_utilization: f
     return max(1, budget // bytes_per_page)
 
 
+def _all_ints(values: list) -> bool:
+    """Are all of `values` ints (bools included, as isinstance counts them)? Without a Python
+    loop: a prompt's thousands of ids are checked on every pred."""
+    return set(map(type, values)) <= _INT_TYPES
+
+
+_INT_TYPES = {int, bool}
+
+
 def _no_tokenizer(*_args, **_kwargs):
     raise InvalidArgument("this model was loaded without a tokenizer: pass token ids")
 
@@ -219,7 +228,7 @@ class Engine:
         if len(tokens) == 1:  # a decode step: no generator to set up
             if not isinstance(tokens[0], int) or not 0 <= tokens[0] < vocab:
                 raise InvalidArgument(f"token ids must be integers in [0, {vocab})")
-        elif any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
+        elif not (_all_ints(tokens) and min(tokens) >= 0 and max(tokens) < vocab):
             raise InvalidArgument(f"token ids must be integers in [0, {vocab})")
         if positions is not None:
             positions = list(positions)
@@ -228,7 +237,7 @@ class Engine:
             if len(positions) == 1:  # a decode step: the check without a generator
                 valid = isinstance(positions[0], int) and -2**31 <= positions[0] < 2**31
             else:
-                valid = all(isinstance(p, int) and -2**31 <= p < 2**31 for p in positions)
+                valid = _all_ints(positions) and min(positions) >= -2**31 and max(positions) < 2**31
             if not valid:
                 raise InvalidArgument("positions must be 32-bit integers, as the guest ABI passes them")
         validate_want(want, vocab)

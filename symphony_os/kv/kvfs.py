@@ -406,10 +406,14 @@ class KVFS:
                 new_pages = self.pool.allocate(needed)
                 file.pages.extend(new_pages)
                 self._count_pages(file, added=new_pages)
-        slots = [
-            file.pages[i // page_size] * page_size + i % page_size
-            for i in range(file.length, file.length + n)
-        ]
+        slots: list[int] = []  # a page's run of slots at a time (a prompt's thousands of tokens)
+        at, end, pages = file.length, file.length + n, file.pages
+        while at < end:
+            index, offset = divmod(at, page_size)
+            take = min(page_size - offset, end - at)
+            first = pages[index] * page_size + offset
+            slots.extend(range(first, first + take))
+            at += take
         file.length += n
         file.last_used = self.clock() if now is None else now
         return slots

@@ -14,7 +14,7 @@ from typing import Callable
 import wasmtime
 
 from ..errors import ErrorCode, InputClosed, LimitExceeded, SymphonyError
-from ..wasm.fiber import AsyncLinker, Fiber, HostCall, set_time_slice
+from ..wasm.fiber import AsyncLinker, FastCalls, Fiber, HostCall, set_time_slice
 from ..wasm.guest_memory import GuestMemory, memory_locator
 from ..wasm.program import Program
 from ..engine.sampling import GREEDY, Sample
@@ -368,15 +368,15 @@ class Process:
         self._memory = exports["memory"]
         self.memory = GuestMemory(memory_locator(self.store, self._memory))
         fiber = Fiber(self.store, exports["_start"], owner=self)
-        vocab, keys = self.engine.loaded.config.vocab_size, self._linker.keys
-        pred = submit = wait = None
-        if ("symphony", "pred") in keys:
-            pred = fiber.set_fast_call(pred_fast_shape(vocab), self._linker, self._memory, self._fast_pred)
-        if ("symphony", "pred_submit") in keys and ("symphony", "pred_wait") in keys:
-            submit = fiber.set_fast_call(pred_submit_fast_shape(vocab), self._linker, self._memory,
-                                         self._fast_pred_submit)
-            wait = fiber.set_fast_call(pred_wait_fast_shape(), self._linker, self._memory, self._fast_pred_wait)
-        fiber.set_lane(pred, submit, wait, self._lane_fold)
+        linker, vocab = self._linker, self.engine.loaded.config.vocab_size
+        calls = linker.fast_calls.get(("decode", vocab))
+        if calls is None:  # made once per linker and vocabulary: the shapes of a decode step
+            shapes = [pred_fast_shape(vocab), pred_submit_fast_shape(vocab), pred_wait_fast_shape()]
+            calls = linker.fast_calls[("decode", vocab)] = FastCalls(
+                linker, [shape for shape in shapes if ("symphony", shape.name) in linker.keys])
+        if len(calls.functions) == 3:
+            fiber.set_fast_calls(calls, self._memory, (self._fast_pred, self._fast_pred_submit, self._fast_pred_wait))
+            fiber.set_lane(0, 1, 2, self._lane_fold)
         return fiber
 
     def _fast_pred(self, fiber: Fiber, args: tuple, token: int) -> bool | None:

@@ -25,7 +25,7 @@ ctypes layer (`wasmtime._ffi`). The C API's rules, and what breaking them did:
   thread's own stack and, once the answer is written, raises the byte the call's continuation
   reads (also C). A handler running inside the guest's call, through a ctypes callback on the
   guest's fiber stack, cost three times as much at 1024 guests (see fiber_native.c).
-- A call in a shape the host named (`FastCall`, `Fiber.set_fast_call`: a LIP's decode step) is
+- A call in a shape the host named (`FastCall`, `Fiber.set_fast_calls`: a LIP's decode step) is
   recognised by C as it is recorded, and its handler gets its arguments and the one value it
   reads from guest memory already checked, with no HostCall (lip/process.py's `_fast_pred`).
 - The decode lane goes further (`Fiber.set_lane`, `lane_open`, `LaneRound`): C answers a LIP's
@@ -182,7 +182,7 @@ _FUTURE, _CONTEXT, _CALLED, _FUNCTION, _CALLER, _ANSWERED, _TRAP, _FAST_INDEX, _
                  "lane_pending_ticket", "lane_token", "lane_calls", "lane_ns", "lane_ns_limit", "lane_ticks",
                  "lane_shapes"))
 _HOST_OBJECTS, _HOST_OBJECT_BYTES = _Slot.host_objects.offset // 8, _Slot.host_object_bytes.offset // 8
-_ARGS_OFFSET, _ANSWER_OFFSET = _Slot.args.offset, _Slot.answer.offset
+_ARGS_OFFSET, _ANSWER_OFFSET, _FAST_OFFSET = _Slot.args.offset, _Slot.answer.offset, _Slot.fast.offset
 # A fast call's one i32 result, as two words of the slot's first answer value: its kind (i32 is
 # 0) with the padding, then the value (a wasmtime_val_t: the kind byte, the value at offset 8).
 _ANSWER_KIND, _ANSWER_VALUE = _ANSWER_OFFSET // 8, _ANSWER_OFFSET // 8 + 1
@@ -331,7 +331,7 @@ Handler = Callable[["HostCall", list], HostResult]
 
 class FastCall:
     """The common shape of one blocking host function, which fiber_native.c recognises as the
-    guest makes the call, so that Python can take it without decoding it (`Fiber.set_fast_call`):
+    guest makes the call, so that Python can take it without decoding it (`Fiber.set_fast_calls`):
     `fixed` arguments (index -> value) equal, those in `nonnegative` >= 0, an output buffer at
     args[span_arg] of span_scale * args[span_arg + 1] bytes inside the guest's memory, and the
     i32 at the address in args[read_arg] inside memory and in [0, read_bound): that value is
@@ -348,6 +348,40 @@ class FastCall:
         self.module, self.name = module, name
         self.fixed, self.nonnegative = dict(fixed), tuple(nonnegative)
         self.read_arg, self.read_bound, self.span_arg, self.span_scale = read_arg, read_bound, span_arg, span_scale
+
+
+class FastCalls:
+    """Up to MAX_FAST_CALLS shapes (FastCall) of functions of one linker, each a function with
+    one i32 result, checked and laid out once as fiber_native.c reads them: each fiber that
+    takes them (`Fiber.set_fast_calls`) copies the layout. A shape's index is its place in
+    `shapes`."""
+
+    __slots__ = ("functions", "layout")
+
+    def __init__(self, linker: "AsyncLinker", shapes: Sequence[FastCall]):
+        if len(shapes) > MAX_FAST_CALLS:
+            raise ValueError(f"a fiber takes at most {MAX_FAST_CALLS} fast calls")
+        self.layout = (_FastShape * MAX_FAST_CALLS)()
+        self.functions: list[_HostFunction] = []
+        for entry, shape in zip(self.layout, shapes):
+            key = linker.keys[(shape.module, shape.name)]
+            function = _FUNCTIONS[key]
+            if function.results.kinds != (0,):
+                raise ValueError(f"{function.qualified_name}: a fast call returns one i32")
+            arity = len(function.params.kinds)
+            if any(i >= arity for i in (*shape.fixed, *shape.nonnegative)) or \
+                    (shape.read_arg is not None and shape.read_arg >= arity) or \
+                    (shape.span_arg is not None and shape.span_arg + 1 >= arity):
+                raise ValueError(f"{function.qualified_name} takes {arity} arguments")
+            entry.fixed_mask = sum(1 << i for i in shape.fixed)
+            entry.nonnegative_mask = sum(1 << i for i in shape.nonnegative)
+            for i, value in shape.fixed.items():
+                entry.fixed[i] = value
+            entry.read_arg = _NONE if shape.read_arg is None else shape.read_arg
+            entry.span_arg = _NONE if shape.span_arg is None else shape.span_arg
+            entry.read_bound, entry.span_scale = shape.read_bound, shape.span_scale
+            entry.function = key
+            self.functions.append(function)
 
 
 class HostCall:
@@ -503,7 +537,7 @@ def _handle_sync_call(key):
         view, fields = fiber._view, fiber._fields
         if fields[_LANE_OPEN] == 2:  # the lane closed for this call: the host takes back its counts first
             fiber.lane_fold()
-        if fields[_FAST_INDEX]:  # a fast call (Fiber.set_fast_call): its handler first
+        if fields[_FAST_INDEX]:  # a fast call (Fiber.set_fast_calls): its handler first
             value = fiber._fast[fields[_FAST_INDEX] - 1][1](fiber, function.params.read(view, _ARGS_OFFSET),
                                                            fields[_FAST_VALUE])
             if value is not None:
@@ -576,6 +610,7 @@ class AsyncLinker:
         self.engine = engine
         self.linker = wasmtime.Linker(engine)
         self.keys: dict[tuple[str, str], int] = {}  # (module, name) -> the key of the function defined last
+        self.fast_calls: dict[object, FastCalls] = {}  # FastCalls its users made once, by a key of theirs
 
     def define_wasi(self) -> None:
         """Provide WASI preview 1 (configure each store with `Store.set_wasi`)."""
@@ -747,9 +782,12 @@ class Fiber:
         self._error_slot = ctypes.POINTER(ffi.wasmtime_error_t)()
         self._future = _address(start(ctypes.byref(self._trap_slot), ctypes.byref(self._error_slot)))
         self._fields[_FUTURE] = self._future
-        self._fast: list | None = None  # set_fast_call's (function, handler) by shape
+        self._fast: list | None = None  # set_fast_calls' (function, handler) by shape
         self.lane_fold: Callable[[], None] | None = None  # set_lane's
-        self.prefetch_with(())
+        fields = self._fields  # prefetch_with(()), inline: the fiber's own two (the rest of the slot is 0)
+        fields[_HOST_OBJECTS], fields[_HOST_OBJECTS + 1] = id(self) - _OBJECT_PREFIX, id(fields) - _OBJECT_PREFIX
+        fields[_HOST_OBJECT_BYTES] = min(_OBJECT_PREFIX + sys.getsizeof(self), _MAX_OBJECT_BYTES)
+        fields[_HOST_OBJECT_BYTES + 1] = min(_OBJECT_PREFIX + sys.getsizeof(fields), _MAX_OBJECT_BYTES)
         _STORES_IN_CALL.add(id(store))
 
     @property
@@ -763,59 +801,37 @@ class Fiber:
         two; None is skipped. CPython's id() is the object's address; an object freed since
         costs nothing (a prefetch never faults)."""
         objects = [self, self._fields, *(item for item in objects if item is not None)]
-        if len(objects) > MAX_PREFETCHED_OBJECTS:
+        unused = MAX_PREFETCHED_OBJECTS - len(objects)
+        if unused < 0:
             raise ValueError(f"at most {MAX_PREFETCHED_OBJECTS - 2} objects besides the fiber's own")
+        getsizeof = sys.getsizeof
         fields = self._fields
-        for index in range(MAX_PREFETCHED_OBJECTS):
-            item = objects[index] if index < len(objects) else None
-            fields[_HOST_OBJECTS + index] = 0 if item is None else id(item) - _OBJECT_PREFIX
-            fields[_HOST_OBJECT_BYTES + index] = \
-                0 if item is None else min(_OBJECT_PREFIX + sys.getsizeof(item), _MAX_OBJECT_BYTES)
+        fields[_HOST_OBJECTS:_HOST_OBJECTS + MAX_PREFETCHED_OBJECTS] = array.array(
+            "Q", [*(id(item) - _OBJECT_PREFIX for item in objects), *([0] * unused)])
+        fields[_HOST_OBJECT_BYTES:_HOST_OBJECT_BYTES + MAX_PREFETCHED_OBJECTS] = array.array(
+            "Q", [*(min(_OBJECT_PREFIX + getsizeof(item), _MAX_OBJECT_BYTES) for item in objects), *([0] * unused)])
 
-    def set_fast_call(self, shape: FastCall, linker: AsyncLinker, memory: wasmtime.Memory,
-                      handler: Callable[["Fiber", tuple, int], "int | bool | None"]) -> int:
-        """Take the guest's calls of `shape` (a function of `linker` with one i32 result) through
-        `handler(fiber, args, value)` (`value`: the i32 that FastCall reads), with no HostCall
-        and nothing decoded twice; at most MAX_FAST_CALLS shapes a fiber. The handler returns
-        None to send the call the ordinary way (its own handler then runs as for any call). For
-        a blocking function it returns True once it answered with `answer_fast_call` (the guest
-        runs on), or False: the guest waits until `answer_fast_call` is called (from any
-        thread). For one that never blocks it returns the result. It must not raise. `memory`
-        is the guest's memory export. Returns the shape's index (what `set_lane` takes)."""
-        key = linker.keys[(shape.module, shape.name)]
-        function = _FUNCTIONS[key]
-        if function.results.kinds != (0,):
-            raise ValueError(f"{function.qualified_name}: a fast call returns one i32")
-        used = [index for index in range(MAX_FAST_CALLS) if self._slot.fast[index].function not in (0, key)]
-        if len(used) == MAX_FAST_CALLS:
-            raise ValueError(f"a fiber takes at most {MAX_FAST_CALLS} fast calls")
-        index = next(i for i in range(MAX_FAST_CALLS) if i not in used)
-        arity = len(function.params.kinds)
-        if any(i >= arity for i in (*shape.fixed, *shape.nonnegative)) or \
-                (shape.read_arg is not None and shape.read_arg >= arity) or \
-                (shape.span_arg is not None and shape.span_arg + 1 >= arity):
-            raise ValueError(f"{function.qualified_name} takes {arity} arguments")
-        entry = self._slot.fast[index]
-        entry.function = 0
-        entry.fixed_mask = sum(1 << i for i in shape.fixed)
-        entry.nonnegative_mask = sum(1 << i for i in shape.nonnegative)
-        for i, value in shape.fixed.items():
-            entry.fixed[i] = value
-        entry.read_arg = _NONE if shape.read_arg is None else shape.read_arg
-        entry.span_arg = _NONE if shape.span_arg is None else shape.span_arg
-        entry.read_bound, entry.span_scale = shape.read_bound, shape.span_scale
-        self._slot.fast_memory = memory_location(self._fields[_CONTEXT], memory._memory)[0]
-        ctypes.memmove(self._slot.fast_memory_handle, ctypes.byref(memory._memory), _MEMORY_HANDLE_BYTES)
-        if self._fast is None:
-            self._fast = [None] * MAX_FAST_CALLS
-        self._fast[index] = (function, handler)
-        entry.function = key  # last: C recognises the call from now on
-        return index
+    def set_fast_calls(self, calls: "FastCalls", memory: wasmtime.Memory,
+                       handlers: Sequence[Callable[["Fiber", tuple, int], "int | bool | None"]]) -> None:
+        """Take the guest's calls in the shapes of `calls` each through its handler, with no
+        HostCall and nothing decoded twice: `handler(fiber, args, value)` (`value`: the i32 that
+        FastCall reads). The handler returns None to send the call the ordinary way (its own
+        handler then runs as for any call). For a blocking function it returns True once it
+        answered with `answer_fast_call` (the guest runs on), or False: the guest waits until
+        `answer_fast_call` is called (from any thread). For one that never blocks it returns the
+        result. It must not raise. `memory` is the guest's memory export."""
+        if len(handlers) != len(calls.functions):
+            raise ValueError(f"{len(calls.functions)} fast calls take as many handlers, got {len(handlers)}")
+        slot = self._slot
+        slot.fast_memory = memory_location(self._fields[_CONTEXT], memory._memory)[0]
+        ctypes.memmove(slot.fast_memory_handle, ctypes.byref(memory._memory), _MEMORY_HANDLE_BYTES)
+        self._fast = [*zip(calls.functions, handlers), *([None] * (MAX_FAST_CALLS - len(handlers)))]
+        ctypes.memmove(ctypes.addressof(slot) + _FAST_OFFSET, calls.layout, ctypes.sizeof(calls.layout))  # last
 
     # ---- the decode lane (fiber_native.c): a LIP's decode steps answered in C ----
 
     def set_lane(self, pred: int | None, submit: int | None, wait: int | None, fold: Callable[[], None]) -> None:
-        """Make the fast calls of these indices (`set_fast_call`'s; None: none) the lane's
+        """Make the fast calls of these indices (in `set_fast_calls`' FastCalls; None: none) the lane's
         `pred`, `pred_submit` and `pred_wait`. `fold()` is the host's way of taking back what
         the lane counted (`lane_take`) once C closed it: it runs before the call that closed it
         is handled (on the polling thread), or wherever else the host looks first."""
@@ -888,7 +904,7 @@ class Fiber:
         return self._after_poll(state)
 
     def answer_fast_call(self, value: int) -> None:
-        """Answer the blocking fast call the guest waits in (`set_fast_call`) with its i32; the
+        """Answer the blocking fast call the guest waits in (`set_fast_calls`) with its i32; the
         guest runs on at the next poll. Any thread; nothing happens to a fiber closed meanwhile."""
         if self._future is None:
             return
