@@ -12,8 +12,12 @@ API doing the same (`Engine.submit` per sequence per step, `run_until_idle`). 32
 2. A simulated device: the runner's forward pass does no work and is ready after a device time
    of `--device-ms` + `--device-us-per-seq` x the batch's sequences (by default 2.5 ms + 4 us,
    the shape of an H100 decode step for a ~1B model); its logits name a token that depends only
-   on the sequence's last token and position, so both paths produce the same text. Tokens/s
-   of each path, and their ratio: how much of the host's work shows next to the device's.
+   on the sequence's last token and position, so both paths produce the same text. Like a
+   GPU's, its pass is launched and completed apart (`launch`, then the logits' `result()`), so
+   a host that has work to do meanwhile can do it (the runtime's batch driver resumes the
+   decode lane's guests during the pass: engine/speculation.py); the API path's loop steps one
+   batch at a time. Tokens/s of each path, and their ratio: how much of the host's work shows
+   next to the device's.
 
 Each measurement is the median of `--repeats` runs, the paths alternating (LIP, API, API,
 LIP, ...); ratios are the median of the paired runs'.
@@ -73,19 +77,34 @@ class SimulatedDevice:
         self.device_s = 0.0  # the device time of every pass so far
 
     def run(self, seqs):
+        return self.launch(seqs).result()
+
+    def launch(self, seqs) -> "SimulatedPass":
+        """The pass started: the host is free until it asks for the logits (Engine.launch)."""
         started = time.perf_counter()
-        ready = started + self.base_s + self.per_seq_s * len(seqs)
-        rows = [s for s in seqs if s.wants_logits]
-        logits = torch.zeros(len(rows), self.vocab_size)
-        for i, s in enumerate(rows):
-            logits[i, (s.tokens[-1] * 31 + s.positions[-1] * 7) % (self.vocab_size - 3) + 3] = 1.0
-        while True:  # the device works; the host waits for it (to 0.2 ms by sleeping, then spinning)
-            left = ready - time.perf_counter()
+        rows = [(s.tokens[-1], s.positions[-1]) for s in seqs if s.wants_logits]
+        return SimulatedPass(self, rows, started, started + self.base_s + self.per_seq_s * len(seqs))
+
+
+class SimulatedPass:
+    """A SimulatedDevice pass under way: `result()` waits until the device is done (to 0.2 ms by
+    sleeping, then spinning) and gives the logits."""
+
+    def __init__(self, device: SimulatedDevice, rows: list[tuple[int, int]], started: float, ready: float):
+        self.device, self.rows, self.started, self.ready = device, rows, started, ready
+
+    def result(self):
+        device = self.device
+        logits = torch.zeros(len(self.rows), device.vocab_size)
+        for i, (token, position) in enumerate(self.rows):
+            logits[i, (token * 31 + position * 7) % (device.vocab_size - 3) + 3] = 1.0
+        while True:
+            left = self.ready - time.perf_counter()
             if left <= 0:
                 break
             if left > 0.0002:
                 time.sleep(min(left - 0.0002, 0.001))
-        self.device_s += time.perf_counter() - started
+        device.device_s += time.perf_counter() - self.started
         return logits
 
 

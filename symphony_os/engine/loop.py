@@ -1,7 +1,9 @@
 """The engine loop: takes `pred` requests from any thread, asks the batch scheduler for a plan,
 reserves KV slots through KVFS, runs the model once per batch, and completes each request with
-what it asked for. It owns no policy of its own: scheduling is in `scheduler.py`, memory in
-`kvfs.py`/`pool.py`, the model in `model_runner.py`."""
+what it asked for. A batch is `launch`ed and `complete`d apart (`step` does both), so that a
+caller can work while an asynchronous device runs it; the steps it may run before anyone asks
+are in `speculation.py`. It owns no policy of its own: scheduling is in `scheduler.py`, memory
+in `kvfs.py`/`pool.py`, the model in `model_runner.py`."""
 from __future__ import annotations
 
 import threading
@@ -23,6 +25,7 @@ from .model_runner import ModelRunner, SequenceInput
 from .pred_future import PredFuture
 from .sampling import GREEDY, GreedyEach, PredResult, Sample, Want, process_logits, validate_want
 from .scheduler import BatchPlan, BatchScheduler, PredRequest
+from .speculation import ADOPTED, DROPPED, QUEUED, RUNNING, Speculation
 
 # The bounds of the pred queue-wait histogram (EngineStats.queue_wait_counts), in seconds.
 QUEUE_WAIT_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -107,6 +110,30 @@ def direct_decode(tokenizer):
     return backend.decode
 
 
+class LaunchedBatch:
+    """A batch between `Engine.launch` and `Engine.complete`: its chunks and sequences, and its
+    forward pass under way (`logits.result()` waits for it)."""
+
+    __slots__ = ("protect", "runnable", "seqs", "wants", "masks", "logits", "started", "error")
+
+    def __init__(self, protect, runnable: list, seqs: list):
+        self.protect, self.runnable, self.seqs = protect, runnable, seqs
+        self.wants = self.masks = self.logits = self.error = None
+        self.started = 0.0
+
+
+class _Ran:
+    """The logits of a runner without `launch`, computed already."""
+
+    __slots__ = ("logits",)
+
+    def __init__(self, logits):
+        self.logits = logits
+
+    def result(self):
+        return self.logits
+
+
 class Engine:
     """Model + KV pool + KVFS + batch scheduler, driven by `step()` or a background thread."""
 
@@ -142,6 +169,7 @@ class Engine:
         self._stopping = False
         self._threads: dict[str, ThreadPoolExecutor] = {}  # _helper_thread's (the tokenizer's, the grammar masks')
         self._grammars: GrammarCompiler | None = None  # grammar()'s, made on first use
+        self._speculating = False  # speculate() was called: batches may hold tentative steps
         self._counters = dict(batches=0, requests=0, sequences=0, tokens=0, queue_wait_s=0.0, forward_s=0.0)
         self._queue_wait_counts = [0] * (len(QUEUE_WAIT_BUCKETS_S) + 1)
 
@@ -260,6 +288,60 @@ class Engine:
                 self._queue_lock.notify()
         return request
 
+    # ---- tentative steps (speculation.py) ----
+
+    def speculate(self, file, token: int) -> Speculation | None:
+        """Queue the greedy step `token` continuing `file` before anyone asked for it
+        (speculation.py); None when it could not run tentatively (the next token needs a page
+        of its own)."""
+        kvfs = self.kvfs
+        with kvfs.lock:
+            if file.length % self.pool.page_size == 0 or file.host_pages or not file.pages:
+                return None
+            kvfs.acquire(file)  # the file outlives the step: `_end_speculations` releases it
+        speculation = Speculation()
+        request = speculation.request = PredRequest(file, [token], None, GREEDY, speculation)
+        request.tentative = True
+        self._speculating = True
+        with self._queue_mutex:
+            self.scheduler.add(request)
+            if self._thread is not None:
+                self._queue_lock.notify()
+        return speculation
+
+    def adopt(self, speculation: Speculation, answer) -> bool:
+        """Make a tentative step the caller's own pred, answered through `answer.settle(result,
+        error)`: True if it could be (not dropped, the file as it was); else it is dropped and the
+        caller submits the step itself."""
+        kvfs = self.kvfs
+        with kvfs.lock:
+            request, state = speculation.request, speculation.state
+            if state == RUNNING:  # in a batch now: its token becomes the file's
+                if not kvfs.adopt_tentative(request.file, request.positions[0], request.length_before,
+                                            speculation.page, kvfs.clock()):
+                    speculation.state = DROPPED
+                    return False
+            elif state != QUEUED:
+                return False
+            request.file.inflight += 1  # (take_for_pred's count; the reference was taken already)
+            request.tentative = False
+            speculation.answer = answer
+            speculation.state = ADOPTED
+            return True
+
+    def abandon(self, speculation: Speculation) -> None:
+        """Drop a tentative step nobody will adopt; one in a batch is discarded once it ran."""
+        kvfs = self.kvfs
+        with kvfs.lock:
+            state = speculation.state
+            if state == ADOPTED or state == DROPPED:
+                return
+            speculation.state = DROPPED
+            if state == QUEUED:
+                with self._queue_mutex:
+                    self.scheduler.discard(speculation.request)
+                kvfs.release(speculation.request.file)
+
     def pred(self, session: KvSession, handle: int, tokens: list[int], positions: list[int] | None = None,
              want: Want = GREEDY) -> PredResult:
         """submit() and wait; without a background thread, runs batches in this thread."""
@@ -276,17 +358,48 @@ class Engine:
 
     def step(self) -> bool:
         """Run one batch; False when nothing was waiting."""
-        with self._step_lock:
+        launched = self.launch()
+        if launched is None:
+            return False
+        self.complete(launched)
+        return True
+
+    def launch(self) -> "LaunchedBatch | None":
+        """The first half of `step`: plan the next batch, reserve its slots and start its forward
+        pass (on a device that runs asynchronously, the host is free until `complete`); None when
+        nothing was waiting. Every launched batch must be completed, one at a time."""
+        self._step_lock.acquire()
+        try:
             with self._queue_mutex:
                 plan = self.scheduler.schedule()
             if plan is None:
-                return False
-            files = [chunk.request.file for chunk in plan.chunks]
-            with self.kvfs.protect(files):
+                self._step_lock.release()
+                return None
+            protect = self.kvfs.protect([chunk.request.file for chunk in plan.chunks])
+            protect.__enter__()
+            try:
                 runnable, seqs = self._prepare(plan)
+                launched = LaunchedBatch(protect, runnable, seqs)
                 if runnable:
-                    self._run(runnable, seqs)
-            return True
+                    self._start_run(launched)
+            except BaseException:
+                protect.__exit__(None, None, None)
+                raise
+            return launched
+        except BaseException:
+            self._step_lock.release()
+            raise
+
+    def complete(self, launched: "LaunchedBatch") -> None:
+        """The second half of `step`: wait for the batch's forward pass, sample, answer."""
+        try:
+            if launched.runnable:
+                self._finish_run(launched)
+        finally:
+            try:
+                launched.protect.__exit__(None, None, None)
+            finally:
+                self._step_lock.release()
 
     def _prepare(self, plan: BatchPlan):
         """Reserve KV slots for each chunk; a chunk that cannot run fails its request (or, when
@@ -300,6 +413,9 @@ class Engine:
                 request, file = chunk.request, chunk.request.file
                 try:
                     if request.length_before is None and request.positions is None and len(request.tokens) == 1:
+                        if request.tentative:  # a step nobody asked for yet (speculation.py)
+                            self._prepare_tentative(request, now, runnable, seqs, chunk)
+                            continue
                         # A decode step continuing its file (most chunks): one KVFS call.
                         request.length_before = file.length
                         request.started_at = now
@@ -345,13 +461,47 @@ class Engine:
             self._finish_all(failed)
         return runnable, seqs
 
-    def _run(self, chunks, seqs) -> None:
-        started = time.perf_counter()
+    def _prepare_tentative(self, request: PredRequest, now: float, runnable: list, seqs: list, chunk) -> None:
+        """_prepare of a tentative step (under the KVFS lock): its slot reserved without the file
+        growing (KVFS.reserve_tentative), or, when that cannot be, the step dropped."""
+        speculation, file = request.future, request.file
+        if speculation.state != QUEUED:  # dropped since it was planned (and out of the queue)
+            return
+        reserved = self.kvfs.reserve_tentative(file)
+        if reserved is None:
+            speculation.state = DROPPED
+            with self._queue_mutex:
+                self.scheduler.discard(request)
+            self.kvfs.release(file)
+            return
+        position, slot, speculation.page = reserved
+        speculation.state = RUNNING
+        request.length_before = file.length
+        request.started_at = now
+        request.positions = [position]
+        runnable.append(chunk)
+        seqs.append(SequenceInput(request.tokens, request.positions, [slot], file.pages, file.length + 1, True, False))
+
+    def _start_run(self, launched: "LaunchedBatch") -> None:
+        """The forward pass of a prepared batch, started (the runner's `launch`, or its `run`)."""
+        launched.started = time.perf_counter()
         try:
             # A row of logits per chunk that wants them (GreedyEach chunks get argmax_each instead).
-            wants = [chunk.request.want for chunk, seq in zip(chunks, seqs) if seq.wants_logits]
-            masks = self._grammar_masks(wants)  # computed while the forward runs
-            logits = self.runner.run(seqs)
+            wants = launched.wants = [chunk.request.want for chunk, seq in zip(launched.runnable, launched.seqs)
+                                      if seq.wants_logits]
+            launched.masks = self._grammar_masks(wants)  # computed while the forward runs
+            launch = getattr(self.runner, "launch", None)
+            launched.logits = launch(launched.seqs) if launch is not None else _Ran(self.runner.run(launched.seqs))
+        except Exception as error:  # failed at once: complete() fails the batch
+            launched.error = error
+
+    def _finish_run(self, launched: "LaunchedBatch") -> None:
+        chunks, seqs, started = launched.runnable, launched.seqs, launched.started
+        try:
+            if launched.error is not None:
+                raise launched.error
+            wants, masks = launched.wants, launched.masks
+            logits = launched.logits.result()
             for chunk, seq in zip(chunks, seqs):
                 if seq.greedy_each:
                     request = chunk.request
@@ -420,6 +570,8 @@ class Engine:
         """Take the requests out of the queue, release their files, complete their futures."""
         with self._queue_mutex:
             self.scheduler.remove_all([request for request, _, _ in outcomes])
+        if self._speculating:
+            outcomes = self._end_speculations(outcomes)
         kvfs = self.kvfs
         started, waited, counts = 0, 0.0, self._queue_wait_counts
         for request, _, _ in outcomes:
@@ -437,6 +589,27 @@ class Engine:
         counters["queue_wait_s"] += waited
         for request, result, error in outcomes:
             request.future.settle(result, error)
+
+    def _end_speculations(self, outcomes: list) -> list:
+        """The tentative steps among a batch's outcomes, ended: each one's page unpinned; one
+        still tentative (nobody adopted it) discarded, its file released. The other outcomes
+        are returned, an adopted step's among them (its answer goes to its adopter)."""
+        kept = []
+        kvfs = self.kvfs
+        with kvfs.lock:
+            for outcome in outcomes:
+                request = outcome[0]
+                speculation = request.future
+                if speculation.__class__ is Speculation:
+                    if speculation.page >= 0:
+                        self.pool.decref([speculation.page])
+                        speculation.page = -1
+                    if request.tentative:
+                        speculation.state = DROPPED
+                        kvfs.release(request.file)
+                        continue
+                kept.append(outcome)
+        return kept
 
     def run_until_idle(self) -> None:
         while self.step():

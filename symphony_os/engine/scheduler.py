@@ -31,7 +31,7 @@ class PredRequest:
     """
 
     __slots__ = ("file", "tokens", "positions", "want", "future", "submitted_at", "done", "length_before",
-                 "started_at", "greedy_each")
+                 "started_at", "greedy_each", "tentative")
 
     def __init__(self, file: KvFile, tokens: list[int], positions: list[int] | None, want: Want,
                  future: PredFuture | None = None):
@@ -46,6 +46,7 @@ class PredRequest:
         self.length_before: int | None = None  # the file's length when the first chunk ran (for rollback)
         self.started_at: float | None = None
         self.greedy_each: list[int] | None = None  # GreedyEach: argmaxes of the chunks so far
+        self.tentative = False  # a step nobody asked for yet (speculation.py): its token is not the file's
 
     @property
     def remaining(self) -> int:
@@ -93,6 +94,10 @@ class BatchScheduler:
         waiting = self.waiting
         for request in requests:
             del waiting[id(request)]
+
+    def discard(self, request: PredRequest) -> bool:
+        """Take a request out of the queue if it is there (a dropped speculation)."""
+        return self.waiting.pop(id(request), None) is not None
 
     def __len__(self) -> int:
         return len(self.waiting)

@@ -375,6 +375,41 @@ class KVFS:
                 return position, last * pool.page_size + offset
         return position, self.reserve_slots(file, [position], now, position >= 0)[0]
 
+    def reserve_tentative(self, file: KvFile) -> tuple[int, int, int] | None:
+        """A decode step the engine runs before anyone asked for it (engine/speculation.py): the
+        position and slot `reserve_next` would give the file's next token, in its own resident
+        last page, that page pinned (one more reference, so it outlives a truncate meanwhile),
+        the file's length unchanged: (position, slot, page), or None outside that common case.
+        The step is then adopted (`adopt_tentative`) or dropped; either way the page is unpinned
+        once it ran. Under the lock."""
+        length, pool = file.length, self.pool
+        runs = file.runs
+        index, first = runs[-1] if runs else _NO_RUN
+        position = first + length - index
+        offset = length % pool.page_size
+        if not offset or not 0 <= position < MAX_POSITION or length >= self._token_bound or file.host_pages:
+            return None
+        last = file.pages[-1]
+        if pool.refcount[last] != 1:
+            return None
+        pool.incref([last])
+        return position, last * pool.page_size + offset, last
+
+    def adopt_tentative(self, file: KvFile, position: int, length_before: int, page: int, now: float) -> bool:
+        """Make the tentative token (`reserve_tentative`) the file's next one, if the file is as
+        it was then: its length, its last page (its own but for the pin), the next position.
+        Under the lock."""
+        if file.length != length_before or file.host_pages or not file.pages or file.pages[-1] != page \
+                or self.pool.refcount[page] != 2:
+            return False
+        runs = file.runs
+        index, first = runs[-1] if runs else _NO_RUN
+        if first + length_before - index != position:
+            return False
+        file.length = length_before + 1
+        file.last_used = now
+        return True
+
     def _grow(self, file: KvFile, n: int, now: float | None = None) -> list[int]:
         """Add `n` token slots at the end of the file (pages allocated, a shared partly filled
         last page copied first) and return their flat slot indices."""

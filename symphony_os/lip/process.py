@@ -64,7 +64,7 @@ class Process:
                  "_input_closed", "_kill_reason", "ended", "cpu_time_s", "usage", "syscalls", "abi", "store",
                  "_time_slice_ticks", "_fiber", "_fresh", "_instantiating", "_memory", "memory", "_blocked", "wake",
                  "_woken_by_pred", "monotonic_origin", "_cpu_time_limit", "poll_address", "_linker", "_decoding",
-                 "_lane_answer", "lane_answered", "_lane_kv", "__weakref__")
+                 "_lane_answer", "lane_answered", "_lane_kv", "_lane_streak", "_speculation", "__weakref__")
     POLLS_TO_RESUME = 1  # polls that run the guest on after its blocking call is answered
 
     def __init__(self, program: Program, args: list[str], env: dict[str, str], engine, kv_session,
@@ -122,6 +122,8 @@ class Process:
         self.lane_answered: list["Process"] = []
         self._lane_answer = _LaneAnswer(self)
         self._lane_kv = -1  # the handle of the last fast pred_submit (_open_lane_after_wait)
+        self._lane_streak = 0  # lane requests in a row since the lane last closed
+        self._speculation = None  # the next step, queued by the engine before the guest asks (_LaneAnswer)
         self._woken_by_pred = self._pred_done  # one bound method, not one per pred
 
     # ---- I/O, callable from any thread ----
@@ -497,19 +499,24 @@ class Process:
         used = (file.length + queued) % pool.page_size
         return 0 if used == 0 else pool.page_size - used
 
-    def _lane_fold(self, queue: bool = True) -> None:
+    def _lane_fold(self) -> None:
         """Take back what the lane counted (Fiber.lane_take): its host calls, its ticket counter,
         the CPU time it charged, and a pred_submit it answered that nobody queued yet, queued now
-        under its ticket (unless not `queue`: a process that ends). Runs before the host handles
-        any call that closed the lane, and wherever the host takes the process back. Never raises."""
+        under its ticket (as the ordinary way queues it at once: it runs even if the process
+        ends). Runs before the host handles any call that closed the lane, and wherever the host
+        takes the process back. Never raises."""
         fiber = self._fiber
+        self._lane_streak = 0
+        if self._speculation is not None:  # the guest did not ask for it
+            self.engine.abandon(self._speculation)
+            self._speculation = None
         calls_made, ticket, ns, pending, pending_ticket, token = fiber.lane_take()
         self.usage.hostcalls += calls_made
         self.cpu_time_s += ns * 1e-9
         calls = self.syscalls
         if ticket > calls._next_ticket:
             calls._next_ticket = ticket
-        if pending == 1 and queue:
+        if pending == 1:
             try:
                 request = self.engine.submit_decode(self.kv, fiber.lane_request()[0], token)
             except Exception as error:  # (the handle was good when the lane opened, and no call came since)
@@ -526,17 +533,25 @@ class Process:
         answer.done = False
         self._decoding = answer
         self.state = ProcessState.BLOCKED_ON_PRED
+        self._lane_streak += 1
+        speculation = self._speculation
+        if speculation is not None:
+            self._speculation = None
+            if speculation.token == token and self.engine.adopt(speculation, answer):
+                answer.request = speculation.request
+                return
         try:
-            self.engine.submit_decode(self.kv, kv, token, answer)
-        except SymphonyError as error:
+            answer.request = self.engine.submit_decode(self.kv, kv, token, answer)
+        except Exception as error:
             self._lane_refused(error)
 
-    def _lane_refused(self, error: SymphonyError) -> None:
-        """A lane request the engine refused: answered now with the error's code, as pred would,
-        and the lane closed (the ordinary way looks at the next call)."""
+    def _lane_refused(self, error: Exception) -> None:
+        """A lane request the engine refused: answered now with the error's code, as pred would
+        (INTERNAL, logged, for a host bug), and the lane closed (the ordinary way looks at the
+        next call)."""
         fiber = self._fiber
         fiber.lane_close()
-        fiber.answer_fast_call(int(self.syscalls.error_code(error)))
+        fiber.answer_fast_call(_answer_value(self, None, error))
         self._lane_answer.done = True
         self.wake(self)
 
@@ -556,8 +571,11 @@ class Process:
     def _end(self, state: ProcessState, code: int, reason: str) -> None:
         if self._fiber is not None:
             if self._fiber.lane_state:
-                self._lane_fold(queue=False)  # its CPU time; a pred not queued yet goes with the process
+                self._lane_fold()  # its CPU time, and a pred_submit C answered
             self._fiber.close()
+        if self._speculation is not None:
+            self.engine.abandon(self._speculation)
+            self._speculation = None
         if self._blocked is not None and self._blocked[0].cancel is not None:
             self._blocked[0].cancel()  # a sleep's timer, say
         self._blocked = None
@@ -588,14 +606,21 @@ def submit_lane_requests(engine, processes: list["Process"], lane, asked: int) -
     """The requests a decode-lane round made (fiber.LaneRound: `lane.requests[:asked]` index
     `processes`), to the engine: each guest waits in its call, answered by its _LaneAnswer. The
     one loop a lane round runs in Python per process."""
-    submit, requests, kvs, tokens = engine.submit_decode, lane.requests, lane.kvs, lane.tokens
+    submit, adopt, requests, kvs, tokens = engine.submit_decode, engine.adopt, lane.requests, lane.kvs, lane.tokens
     for k in range(asked):
         process = processes[requests[k]]
         answer = process._lane_answer
         answer.done = False  # (process._decoding is this answer still: the guest never left its lane)
+        process._lane_streak += 1
+        speculation = process._speculation
         try:
-            submit(process.kv, kvs[k], tokens[k], answer)
-        except SymphonyError as error:
+            if speculation is not None:  # the step the engine queued already: the guest's own if it is this one
+                process._speculation = None
+                if speculation.request.tokens[0] == tokens[k] and adopt(speculation, answer):
+                    answer.request = speculation.request
+                    continue
+            answer.request = submit(process.kv, kvs[k], tokens[k], answer)
+        except Exception as error:  # (a host bug, too, fails this process's step alone)
             process._lane_refused(error)
 
 
@@ -628,10 +653,20 @@ class _LaneAnswer(_DecodeAnswer):
     next round (runtime.Worker). Reused for each of the process's requests; runs on the thread
     that drives batches, the only one that touches that list."""
 
-    __slots__ = ()
+    __slots__ = ("request",)
+
+    def __init__(self, process: Process):
+        super().__init__(process)
+        self.request = None  # the pred it answers (its file: the next speculation's)
 
     def settle(self, result, error: BaseException | None) -> None:
+        """The answer into the slot, the process onto its worker's list; and, while the guest
+        keeps to its lane, the step it will most likely ask for next (feeding the token back)
+        queued at once (engine/speculation.py): the next batch need not wait for its round."""
         process = self.process
-        process._fiber.answer_fast_call(_answer_value(process, result, error))
+        fiber = process._fiber
+        fiber.answer_fast_call(_answer_value(process, result, error))
         self.done = True
+        if error is None and process._lane_streak >= 2 and fiber.lane_state == 1 and process._speculation is None:
+            process._speculation = process.engine.speculate(self.request.file, result.token)
         process.lane_answered.append(process)

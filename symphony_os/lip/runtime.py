@@ -102,7 +102,15 @@ class Worker:
         """Are there processes the next batch should wait for: woken (a pred done, a message,
         a kill) or just started, queued or being polled now? Preempted guests, which only
         compute, hold nothing back."""
-        return self._urgent > 0 or self._round_urgent or bool(self._lane_ready) or bool(self._lane_answered)
+        # Read in the order opposite to _take_round's writes (the lane list emptied only once
+        # _round_urgent is set), without the lock: a round being taken is never missed.
+        return bool(self._lane_answered) or bool(self._lane_ready) or self._urgent > 0 or self._round_urgent
+
+    @property
+    def lane_only(self) -> bool:
+        """Are the processes queued for its next round (if any) in the decode lane, not woken
+        otherwise? Then the next batch need not wait for that round (BatchDriver._step)."""
+        return self._urgent == 0
 
     @property
     def has_ready(self) -> bool:
@@ -163,8 +171,9 @@ class Worker:
     def _take_round(self) -> tuple[list[tuple[Process, bool]], list[Process]]:
         batch = list(self._ready.items())
         self._ready.clear()
-        lane, self._lane_ready = self._lane_ready, []
-        self._round_urgent = self._urgent > 0 or bool(lane)
+        lane = self._lane_ready
+        self._round_urgent = self._urgent > 0 or bool(lane)  # before the lists empty (holds_batch)
+        self._lane_ready = []
         self._urgent = 0
         return batch, lane
 
@@ -300,15 +309,42 @@ class BatchDriver:
                         if not ran and not any(worker.has_ready for worker in here):
                             self._cond.wait(timeout=0.05)
                         continue
-                self.engine.step()
-                for worker in self.workers:
-                    worker.kick()
+                self._step(here, lambda: bool(interrupted) or self._stopping or until())
         finally:
             self.driving_thread = None
             if deferring and signal.getsignal(signal.SIGINT) is defer:  # not one installed meanwhile
                 signal.signal(signal.SIGINT, signal.default_int_handler)
             if interrupted and sys.exc_info()[0] is None:  # it came in the last round or batch
                 raise KeyboardInterrupt
+
+    def _step(self, here: list[Worker], done: Callable[[], bool]) -> None:
+        """One batch. Then, while the processes it woke all wait in the decode lane with their
+        next steps queued already (engine/speculation.py), the next batch is launched before
+        their round, and the round runs while the device computes it (on a device that runs
+        asynchronously: the host's work between passes hidden behind the device's), until
+        `done()`."""
+        engine = self.engine
+        launched = engine.launch()
+        while launched is not None:
+            self._await_rounds(here)  # (none at first: the batch was launched with every round done)
+            engine.complete(launched)
+            for worker in self.workers:
+                worker.kick()
+            if not len(engine.scheduler) or not all(worker.lane_only for worker in self.workers) or done():
+                return
+            launched = engine.launch()
+
+    def _await_rounds(self, here: list[Worker]) -> None:
+        """Run the rounds of thread-less workers here, and wait for the others' to end: the rounds
+        the next batch waits for (not those of guests that only compute)."""
+        for worker in self.workers:
+            worker.kick()  # (launching may have answered preds: those it refused)
+        for worker in here:
+            while worker.holds_batch and worker.run_ready():
+                pass
+        with self._cond:
+            while not self._stopping and any(worker.holds_batch for worker in self.workers if worker.thread is not None):
+                self._cond.wait(timeout=0.05)
 
     def stop(self) -> None:
         with self._cond:
