@@ -114,12 +114,13 @@ class LaunchedBatch:
     """A batch between `Engine.launch` and `Engine.complete`: its chunks and sequences, and its
     forward pass under way (`logits.result()` waits for it)."""
 
-    __slots__ = ("protect", "runnable", "seqs", "wants", "masks", "logits", "started", "error")
+    __slots__ = ("protect", "runnable", "seqs", "wants", "masks", "logits", "started", "error", "tentative")
 
     def __init__(self, protect, runnable: list, seqs: list):
         self.protect, self.runnable, self.seqs = protect, runnable, seqs
         self.wants = self.masks = self.logits = self.error = None
         self.started = 0.0
+        self.tentative = False  # it runs tentative steps (speculation.py)
 
 
 class _Ran:
@@ -170,6 +171,8 @@ class Engine:
         self._threads: dict[str, ThreadPoolExecutor] = {}  # _helper_thread's (the tokenizer's, the grammar masks')
         self._grammars: GrammarCompiler | None = None  # grammar()'s, made on first use
         self._speculating = False  # speculate() was called: batches may hold tentative steps
+        self._tentative_prepared = False  # the batch being prepared holds one (launch)
+        self._async_of: tuple = (None, False)  # runs_async's answer, for the runner it was asked for
         self._counters = dict(batches=0, requests=0, sequences=0, tokens=0, queue_wait_s=0.0, forward_s=0.0)
         self._queue_wait_counts = [0] * (len(QUEUE_WAIT_BUCKETS_S) + 1)
 
@@ -290,6 +293,17 @@ class Engine:
 
     # ---- tentative steps (speculation.py) ----
 
+    @property
+    def runs_async(self) -> bool:
+        """Does a batch's forward pass run while the host goes on (a runner with `launch`, or a
+        CUDA device, whose kernels are queued)? Only then do tentative steps pay: on a host that
+        computes the pass itself, nothing can overlap it."""
+        runner = self.runner
+        if runner is not self._async_of[0]:
+            self._async_of = (runner, getattr(runner, "launch", None) is not None
+                              or self.loaded.model.device.type == "cuda")
+        return self._async_of[1]
+
     def speculate(self, file, token: int) -> Speculation | None:
         """Queue the greedy step `token` continuing `file` before anyone asked for it
         (speculation.py); None when it could not run tentatively (the next token needs a page
@@ -378,8 +392,10 @@ class Engine:
             protect = self.kvfs.protect([chunk.request.file for chunk in plan.chunks])
             protect.__enter__()
             try:
+                self._tentative_prepared = False
                 runnable, seqs = self._prepare(plan)
                 launched = LaunchedBatch(protect, runnable, seqs)
+                launched.tentative = self._tentative_prepared
                 if runnable:
                     self._start_run(launched)
             except BaseException:
@@ -476,6 +492,7 @@ class Engine:
             return
         position, slot, speculation.page = reserved
         speculation.state = RUNNING
+        self._tentative_prepared = True
         request.length_before = file.length
         request.started_at = now
         request.positions = [position]
@@ -527,7 +544,7 @@ class Engine:
                           else next(done))
                 error = result.error  # its row alone failed (process_logits_reference)
                 finished.append((request, result if error is None else None, error))
-        self._finish_all(finished)
+        self._finish_all(finished, launched.tentative)
 
     def _helper_thread(self, name: str) -> ThreadPoolExecutor:
         """A worker thread of the engine's own ("symphony-NAME"), made on first use (from any thread)."""
@@ -566,11 +583,13 @@ class Engine:
                 error: BaseException | None = None) -> None:
         self._finish_all([(request, result, error)])
 
-    def _finish_all(self, outcomes: list[tuple[PredRequest, PredResult | None, BaseException | None]]) -> None:
-        """Take the requests out of the queue, release their files, complete their futures."""
+    def _finish_all(self, outcomes: list[tuple[PredRequest, PredResult | None, BaseException | None]],
+                    tentative: bool = True) -> None:
+        """Take the requests out of the queue, release their files, complete their futures.
+        `tentative`: whether any of them may have run tentatively (a batch knows)."""
         with self._queue_mutex:
             self.scheduler.remove_all([request for request, _, _ in outcomes])
-        if self._speculating:
+        if tentative and self._speculating:
             outcomes = self._end_speculations(outcomes)
         kvfs = self.kvfs
         started, waited, counts = 0, 0.0, self._queue_wait_counts

@@ -64,7 +64,8 @@ class Process:
                  "_input_closed", "_kill_reason", "ended", "cpu_time_s", "usage", "syscalls", "abi", "store",
                  "_time_slice_ticks", "_fiber", "_fresh", "_instantiating", "_memory", "memory", "_blocked", "wake",
                  "_woken_by_pred", "monotonic_origin", "_cpu_time_limit", "poll_address", "_linker", "_decoding",
-                 "_lane_answer", "lane_answered", "_lane_kv", "_lane_streak", "_speculation", "__weakref__")
+                 "_lane_answer", "lane_answered", "_lane_kv", "_lane_streak", "_speculation", "_spec_backoff", "_spec_skip",
+                 "__weakref__")
     POLLS_TO_RESUME = 1  # polls that run the guest on after its blocking call is answered
 
     def __init__(self, program: Program, args: list[str], env: dict[str, str], engine, kv_session,
@@ -124,6 +125,10 @@ class Process:
         self._lane_kv = -1  # the handle of the last fast pred_submit (_open_lane_after_wait)
         self._lane_streak = 0  # lane requests in a row since the lane last closed
         self._speculation = None  # the next step, queued by the engine before the guest asks (_LaneAnswer)
+        # After a guest asked for another step than the one queued for it: answers to let go by
+        # before the next try (_spec_skip), doubling with each miss in a row up to 64 (a guest
+        # that does not feed its tokens back, forcing or scoring text, costs one wasted step a try).
+        self._spec_backoff = self._spec_skip = 0
         self._woken_by_pred = self._pred_done  # one bound method, not one per pred
 
     # ---- I/O, callable from any thread ----
@@ -539,11 +544,19 @@ class Process:
             self._speculation = None
             if speculation.token == token and self.engine.adopt(speculation, answer):
                 answer.request = speculation.request
+                self._spec_backoff = 0
                 return
+            self._speculation_missed(speculation)
         try:
             answer.request = self.engine.submit_decode(self.kv, kv, token, answer)
         except Exception as error:
             self._lane_refused(error)
+
+    def _speculation_missed(self, speculation) -> None:
+        """The guest asked for another step than the one the engine queued for it: that one
+        dropped, and the next try put off (see _spec_backoff)."""
+        self.engine.abandon(speculation)
+        self._spec_backoff = self._spec_skip = min(64, 2 * self._spec_backoff or 1)
 
     def _lane_refused(self, error: Exception) -> None:
         """A lane request the engine refused: answered now with the error's code, as pred would
@@ -618,7 +631,10 @@ def submit_lane_requests(engine, processes: list["Process"], lane, asked: int) -
                 process._speculation = None
                 if speculation.request.tokens[0] == tokens[k] and adopt(speculation, answer):
                     answer.request = speculation.request
+                    if process._spec_backoff:
+                        process._spec_backoff = 0
                     continue
+                process._speculation_missed(speculation)
             answer.request = submit(process.kv, kvs[k], tokens[k], answer)
         except Exception as error:  # (a host bug, too, fails this process's step alone)
             process._lane_refused(error)
@@ -661,12 +677,17 @@ class _LaneAnswer(_DecodeAnswer):
 
     def settle(self, result, error: BaseException | None) -> None:
         """The answer into the slot, the process onto its worker's list; and, while the guest
-        keeps to its lane, the step it will most likely ask for next (feeding the token back)
-        queued at once (engine/speculation.py): the next batch need not wait for its round."""
+        keeps to its lane on an engine whose passes run asynchronously, the step it will most
+        likely ask for next (feeding the token back) queued at once (engine/speculation.py): the
+        next batch need not wait for its round."""
         process = self.process
         fiber = process._fiber
         fiber.answer_fast_call(_answer_value(process, result, error))
         self.done = True
-        if error is None and process._lane_streak >= 2 and fiber.lane_state == 1 and process._speculation is None:
-            process._speculation = process.engine.speculate(self.request.file, result.token)
+        if (error is None and process._lane_streak >= 2 and fiber.lane_state == 1 and process._speculation is None
+                and process.engine.runs_async):
+            if process._spec_skip:
+                process._spec_skip -= 1
+            else:
+                process._speculation = process.engine.speculate(self.request.file, result.token)
         process.lane_answered.append(process)
