@@ -97,13 +97,13 @@ def null_model_rounds(model_dir: Path, processes: int, rounds: int, in_caller: b
                               num_pages=processes * (rounds // 16 + 2) + 16, max_batch_size=4096, token_budget=8192)
     engine.runner = NullRunner(engine.loaded.config.vocab_size)
     batch_starts: list[tuple[float, int]] = []  # (time, requests waiting) at each batch
-    step = engine.step
+    launch = engine.launch
 
-    def timed_step() -> bool:
+    def timed_launch():
         batch_starts.append((time.perf_counter(), len(engine.scheduler)))
-        return step()
+        return launch()
 
-    engine.step = timed_step
+    engine.launch = timed_launch
     with Runtime(engine, drive_in_caller=in_caller) as runtime:
         program = runtime.load(wasmtime.wat2wasm(guest.replace("ROUNDS", str(rounds))), "rounds")
         started = time.perf_counter()

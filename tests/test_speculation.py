@@ -166,3 +166,43 @@ def test_lane_guests_run_while_the_next_batch_does_and_answer_alike(engine, tmp_
     assert adopted[states.RUNNING, True] >= 6 * 15
     stats = engine.pool.stats()
     assert stats.used == 0, f"leaked KV pages: {stats}"
+
+
+def test_a_step_dropped_while_its_batch_runs_lets_its_file_go_at_once(engine, session):
+    handle, token = prefilled(engine, session)
+    file = session.file_of(handle)
+    files = engine.kvfs.file_count
+    speculation = engine.speculate(file, token)
+    launched = engine.launch()
+    engine.abandon(speculation)
+    session.close(handle)  # the guest's last call: its file goes now, not once the pass ran
+    assert engine.kvfs.file_count == files - 1
+    engine.complete(launched)
+    assert speculation.state == states.DROPPED
+
+
+class InterruptedRunner:
+    """A runner whose next pass is interrupted (Ctrl-C in the middle of the forward)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def run(self, seqs):
+        raise KeyboardInterrupt
+
+
+def test_an_interrupted_pass_fails_its_batch_and_leaves_the_engine_usable(engine, session, monkeypatch):
+    handle, token = prefilled(engine, session)
+    file = session.file_of(handle)
+    speculation = engine.speculate(file, token)
+    answer = Answer()
+    assert engine.adopt(speculation, answer)
+    monkeypatch.setattr(engine, "runner", InterruptedRunner(engine.runner))
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    monkeypatch.undo()
+    assert [error.__class__ for _, error in answer.outcomes] == [KeyboardInterrupt] and file.length == 4
+    assert engine.pred(session, handle, [token]).token == reference(engine, 1)[1]  # the lock, the pages: free

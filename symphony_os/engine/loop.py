@@ -334,6 +334,7 @@ class Engine:
                 if not kvfs.adopt_tentative(request.file, request.positions[0], request.length_before,
                                             speculation.page, kvfs.clock()):
                     speculation.state = DROPPED
+                    kvfs.release(request.file)
                     return False
             elif state != QUEUED:
                 return False
@@ -344,7 +345,9 @@ class Engine:
             return True
 
     def abandon(self, speculation: Speculation) -> None:
-        """Drop a tentative step nobody will adopt; one in a batch is discarded once it ran."""
+        """Drop a tentative step nobody will adopt: its file released at once (a guest may close
+        or remove it next), its pass's work, if it is in one, discarded once it ran (its page
+        stays pinned until then)."""
         kvfs = self.kvfs
         with kvfs.lock:
             state = speculation.state
@@ -354,7 +357,7 @@ class Engine:
             if state == QUEUED:
                 with self._queue_mutex:
                     self.scheduler.discard(speculation.request)
-                kvfs.release(speculation.request.file)
+            kvfs.release(speculation.request.file)
 
     def pred(self, session: KvSession, handle: int, tokens: list[int], positions: list[int] | None = None,
              want: Want = GREEDY) -> PredResult:
@@ -509,11 +512,15 @@ class Engine:
             launched.masks = self._grammar_masks(wants)  # computed while the forward runs
             launch = getattr(self.runner, "launch", None)
             launched.logits = launch(launched.seqs) if launch is not None else _Ran(self.runner.run(launched.seqs))
-        except Exception as error:  # failed at once: complete() fails the batch
+        except BaseException as error:  # failed at once (a Ctrl-C too): complete() fails the batch
             launched.error = error
 
     def _finish_run(self, launched: "LaunchedBatch") -> None:
         chunks, seqs, started = launched.runnable, launched.seqs, launched.started
+        if launched.error is not None and not isinstance(launched.error, Exception):
+            for chunk in chunks:  # its requests failed (their tokens undone), then the interrupt goes on
+                self._finish(chunk.request, error=launched.error)
+            raise launched.error
         try:
             if launched.error is not None:
                 raise launched.error
@@ -623,9 +630,10 @@ class Engine:
                     if speculation.page >= 0:
                         self.pool.decref([speculation.page])
                         speculation.page = -1
-                    if request.tentative:
-                        speculation.state = DROPPED
-                        kvfs.release(request.file)
+                    if request.tentative:  # nobody adopted it
+                        if speculation.state != DROPPED:  # (dropped: its file was released then)
+                            speculation.state = DROPPED
+                            kvfs.release(request.file)
                         continue
                 kept.append(outcome)
         return kept

@@ -64,7 +64,7 @@ class Process:
                  "_input_closed", "_kill_reason", "ended", "cpu_time_s", "usage", "syscalls", "abi", "store",
                  "_time_slice_ticks", "_fiber", "_fresh", "_instantiating", "_memory", "memory", "_blocked", "wake",
                  "_woken_by_pred", "monotonic_origin", "_cpu_time_limit", "poll_address", "_linker", "_decoding",
-                 "_lane_answer", "lane_answered", "_lane_kv", "_lane_streak", "_speculation", "_spec_backoff", "_spec_skip",
+                 "_lane_answer", "lane_answered", "lane_unspeculated", "_lane_kv", "_lane_streak", "_speculation", "_spec_backoff", "_spec_skip",
                  "__weakref__")
     POLLS_TO_RESUME = 1  # polls that run the guest on after its blocking call is answered
 
@@ -121,6 +121,7 @@ class Process:
         # The decode lane's (_open_lane): where its answers put the process (the worker's list,
         # set by the worker), and the one answer object its requests reuse.
         self.lane_answered: list["Process"] = []
+        self.lane_unspeculated: list["Process"] = []  # and those of them with no next step queued
         self._lane_answer = _LaneAnswer(self)
         self._lane_kv = -1  # the handle of the last fast pred_submit (_open_lane_after_wait)
         self._lane_streak = 0  # lane requests in a row since the lane last closed
@@ -690,4 +691,6 @@ class _LaneAnswer(_DecodeAnswer):
                 process._spec_skip -= 1
             else:
                 process._speculation = process.engine.speculate(self.request.file, result.token)
+        if process._speculation is None:
+            process.lane_unspeculated.append(process)
         process.lane_answered.append(process)

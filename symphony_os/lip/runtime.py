@@ -88,6 +88,11 @@ class Worker:
         # on the driving thread (Process.lane_answered), moved to _lane_ready by `kick`.
         self._lane_answered: list[Process] = []
         self._lane_ready: list[Process] = []
+        # Of those answered, the ones with no next step queued (their answer says so; moved by
+        # `kick` into _unspeculated): the next batch waits for their round.
+        self.lane_unspeculated: list[Process] = []
+        self._unspeculated = False
+        self._round_woken = False  # the round running holds processes woken otherwise
         self._lane_round = LaneRound()
         self._lock = threading.Lock()  # taken directly: a Condition's own `with` is Python code
         self._cond = threading.Condition(self._lock)
@@ -108,9 +113,11 @@ class Worker:
 
     @property
     def lane_only(self) -> bool:
-        """Are the processes queued for its next round (if any) in the decode lane, not woken
-        otherwise? Then the next batch need not wait for that round (BatchDriver._step)."""
-        return self._urgent == 0
+        """Are the processes queued for its next round (if any) in the decode lane with their
+        next steps queued already (engine/speculation.py), none woken otherwise, and no round
+        of woken processes running? Then the next batch need not wait for that round
+        (BatchDriver._step)."""
+        return self._urgent == 0 and not self._round_woken and not self._unspeculated
 
     @property
     def has_ready(self) -> bool:
@@ -119,6 +126,7 @@ class Worker:
     def add(self, process: Process) -> None:
         process.wake = self.wake
         process.lane_answered = self._lane_answered
+        process.lane_unspeculated = self.lane_unspeculated
         with self._lock:
             self.processes.add(process)
         self.wake(process)
@@ -145,6 +153,8 @@ class Worker:
             if answered:
                 self._lane_ready += answered
                 answered.clear()  # (the processes hold this list)
+            self._unspeculated = bool(self.lane_unspeculated)
+            self.lane_unspeculated.clear()
             if self._ready or self._lane_ready:
                 self._cond.notify()
 
@@ -172,6 +182,7 @@ class Worker:
         batch = list(self._ready.items())
         self._ready.clear()
         lane = self._lane_ready
+        self._round_woken = self._urgent > 0
         self._round_urgent = self._urgent > 0 or bool(lane)  # before the lists empty (holds_batch)
         self._lane_ready = []
         self._urgent = 0
@@ -198,7 +209,7 @@ class Worker:
                     self._run_lane(lane, cpu_per_wall)
                     lane, started = (), clock()
                 with self._lock:
-                    self._round_urgent = False
+                    self._round_urgent = self._round_woken = False
                 self.driver.round_done()
             # The next process's native state is fetched into the cache while this one runs:
             # with a thousand processes a round, each one's is cold by its turn (fiber_native.c).
@@ -215,7 +226,7 @@ class Worker:
         if wall > 0:
             self._cpu_per_wall = min(1.0, (time.thread_time() - cpu_started) / wall)
         with self._lock:
-            self._round_urgent = False
+            self._round_urgent = self._round_woken = False
 
     def _after(self, process: Process, outcome: str) -> None:
         """What a process's turn that did not leave it waiting asks of its worker."""
@@ -326,8 +337,10 @@ class BatchDriver:
         engine = self.engine
         launched = engine.launch()
         while launched is not None:
-            self._await_rounds(here)  # (none at first: the batch was launched with every round done)
-            engine.complete(launched)
+            try:
+                self._await_rounds(here)  # (none at first: the batch was launched with every round done)
+            finally:  # (a batch launched is completed, whatever a round raised: a second Ctrl-C)
+                engine.complete(launched)
             for worker in self.workers:
                 worker.kick()
             if not len(engine.scheduler) or not all(worker.lane_only for worker in self.workers) or done():
@@ -342,6 +355,8 @@ class BatchDriver:
         for worker in here:
             while worker.holds_batch and worker.run_ready():
                 pass
+            if worker.has_ready:  # guests that only compute: a slice each while the device works
+                worker.run_ready()
         with self._cond:
             while not self._stopping and any(worker.holds_batch for worker in self.workers if worker.thread is not None):
                 self._cond.wait(timeout=0.05)
