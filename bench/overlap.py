@@ -152,12 +152,28 @@ def measure(engine: Engine, program: Path, processes: int, repeats: int, timed) 
     lip_decode(engine, program, prompts[:2])
     runs = {"lip": lambda: lip_decode(engine, program, prompts), "api": lambda: api_decode(engine, prompts)}
     wall, device, outputs = {"lip": [], "api": []}, {"lip": [], "api": []}, {}
-    for repeat in range(repeats):
-        for name in (("lip", "api") if repeat % 2 == 0 else ("api", "lip")):
-            before = timed()
-            seconds, outputs[name] = runs[name]()
-            wall[name].append(seconds)
-            device[name].append(timed() - before)
+    steps = {"lip": [], "api": []}  # each run's steady time a step: the median between two launches
+    launches: list[float] = []
+    launch = engine.launch
+
+    def timed_launch():
+        launches.append(time.perf_counter())
+        return launch()
+
+    engine.launch = timed_launch
+    try:
+        for repeat in range(repeats):
+            for name in (("lip", "api") if repeat % 2 == 0 else ("api", "lip")):
+                before = timed()
+                launches.clear()
+                seconds, outputs[name] = runs[name]()
+                wall[name].append(seconds)
+                device[name].append(timed() - before)
+                # Past the prefill and the first decode steps, short of the last: every sequence decodes.
+                middle = launches[4:-2]
+                steps[name].append(statistics.median(b - a for a, b in zip(middle, middle[1:])))
+    finally:
+        del engine.launch
     tokens = sum(len(o) for o in outputs["api"])
     host_us = {name: [1e6 * (w - d) / tokens for w, d in zip(wall[name], device[name])] for name in wall}
     return dict(processes=processes, tokens=tokens, identical=outputs["lip"] == outputs["api"],
@@ -165,6 +181,8 @@ def measure(engine: Engine, program: Path, processes: int, repeats: int, timed) 
                 ratio=statistics.median(a / b for a, b in zip(wall["api"], wall["lip"])),
                 host_us_per_token={name: statistics.median(v) for name, v in host_us.items()},
                 host_ratio=statistics.median(a / b for a, b in zip(host_us["lip"], host_us["api"])),
+                ms_per_step={name: 1e3 * statistics.median(v) for name, v in steps.items()},
+                step_ratio=statistics.median(a / b for a, b in zip(steps["api"], steps["lip"])),
                 seconds=wall)
 
 
@@ -210,11 +228,14 @@ def main() -> None:
     for r in rows["real_model"]:
         h = r["host_us_per_token"]
         print(f"{r['processes']:>9} | {h['lip']:>7.1f} | {h['api']:>7.1f} | {r['host_ratio']:>9.2f} | {r['identical']}")
-    print(f"\nSimulated device ({args.device_ms} ms + {args.device_us_per_seq} us per sequence a pass): tokens/s")
-    print(f"{'processes':>9} | {'LIP':>8} | {'API':>8} | {'LIP / API':>9} | identical")
+    print(f"\nSimulated device ({args.device_ms} ms + {args.device_us_per_seq} us per sequence a pass): tokens/s "
+          f"of whole runs (the processes' start included), and the steady time a decode step (ms; ratio API / LIP)")
+    print(f"{'processes':>9} | {'LIP':>8} | {'API':>8} | {'LIP / API':>9} | {'LIP step':>8} | {'API step':>8} | "
+          f"{'step ratio':>10} | identical")
     for r in rows["simulated_device"]:
+        step = r["ms_per_step"]
         print(f"{r['processes']:>9} | {r['lip_tok_s']:>8.0f} | {r['api_tok_s']:>8.0f} | {r['ratio']:>9.3f} | "
-              f"{r['identical']}")
+              f"{step['lip']:>8.2f} | {step['api']:>8.2f} | {r['step_ratio']:>10.3f} | {r['identical']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(cpu=cpu_name(), python=python_build(), torch=torch.__version__,
                                         shape=SHAPE, prompt_tokens=PROMPT_TOKENS, new_tokens=NEW_TOKENS,

@@ -685,12 +685,13 @@ class _LaneAnswer(_DecodeAnswer):
         fiber = process._fiber
         fiber.answer_fast_call(_answer_value(process, result, error))
         self.done = True
-        if (error is None and process._lane_streak >= 2 and fiber.lane_state == 1 and process._speculation is None
-                and process.engine.runs_async):
-            if process._spec_skip:
-                process._spec_skip -= 1
-            else:
-                process._speculation = process.engine.speculate(self.request.file, result.token)
-        if process._speculation is None:
-            process.lane_unspeculated.append(process)
+        engine = process.engine
+        if engine.runs_async:  # (else nothing overlaps a pass: no step is worth queueing early)
+            if error is None and process._lane_streak >= 2 and fiber.lane_state == 1 and process._speculation is None:
+                if process._spec_skip:
+                    process._spec_skip -= 1
+                else:
+                    process._speculation = engine.speculate(self.request.file, result.token)
+            if process._speculation is None:
+                process.lane_unspeculated.append(process)
         process.lane_answered.append(process)
