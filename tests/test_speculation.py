@@ -206,3 +206,13 @@ def test_an_interrupted_pass_fails_its_batch_and_leaves_the_engine_usable(engine
     monkeypatch.undo()
     assert [error.__class__ for _, error in answer.outcomes] == [KeyboardInterrupt] and file.length == 4
     assert engine.pred(session, handle, [token]).token == reference(engine, 1)[1]  # the lock, the pages: free
+
+
+def test_a_step_nobody_adopts_is_not_counted_as_generated(engine, session):
+    handle, token = prefilled(engine, session)
+    before = engine.stats()
+    engine.speculate(session.file_of(handle), token)
+    engine.step()
+    after = engine.stats()
+    assert after.batches == before.batches + 1
+    assert (after.sequences, after.tokens) == (before.sequences, before.tokens)

@@ -540,6 +540,10 @@ class Engine:
         c["batches"] += 1
         c["sequences"] += len(chunks)
         c["tokens"] += sum(len(s.tokens) for s in seqs)
+        if launched.tentative:  # the tentative steps nobody adopted are no one's tokens
+            dropped = sum(1 for chunk in chunks if chunk.request.tentative)
+            c["sequences"] -= dropped
+            c["tokens"] -= dropped
         c["forward_s"] += time.perf_counter() - started
         done = iter(results)
         finished = []
@@ -628,7 +632,7 @@ class Engine:
                 speculation = request.future
                 if speculation.__class__ is Speculation:
                     if speculation.page >= 0:
-                        self.pool.decref([speculation.page])
+                        self.pool.unpin(speculation.page)
                         speculation.page = -1
                     if request.tentative:  # nobody adopted it
                         if speculation.state != DROPPED:  # (dropped: its file was released then)

@@ -392,7 +392,7 @@ class KVFS:
         last = file.pages[-1]
         if pool.refcount[last] != 1:
             return None
-        pool.incref([last])
+        pool.pin(last)
         return position, last * pool.page_size + offset, last
 
     def adopt_tentative(self, file: KvFile, position: int, length_before: int, page: int, now: float) -> bool:

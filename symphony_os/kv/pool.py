@@ -144,6 +144,17 @@ class KVPool:
                 self._shared += 1
             self.refcount[page] = count + 1
 
+    def pin(self, page: int) -> None:
+        """`incref` of one page a file alone holds (a tentative step's, KVFS.reserve_tentative)."""
+        if self.refcount[page] != 1:
+            raise RuntimeError(f"pin of page {page}, held {self.refcount[page]} times")
+        self._shared += 1
+        self.refcount[page] = 2
+
+    def unpin(self, page: int) -> None:
+        """`decref` of one page (the pin's)."""
+        self.decref((page,))
+
     def decref(self, pages: list[int]) -> None:
         """Drop one reference from each page; a page with none left returns to the free list."""
         for page in pages:
