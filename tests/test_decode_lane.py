@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -147,13 +146,15 @@ def test_a_cpu_time_limit_ends_a_guest_in_the_lane(engine, program):
 
 
 def test_a_kill_reaches_a_guest_in_the_lane(engine, program):
-    started = threading.Event()
+    decoding = threading.Event()  # its first 100 steps reported: well inside its decode loop
+
+    def output(data: bytes) -> None:
+        if b"steps=" in data:
+            decoding.set()
+
     with Runtime(engine) as runtime:
-        process = runtime.spawn(runtime.load(program), args=["spin"], on_output=lambda _data: started.set())
-        assert started.wait(60)
-        batches = engine.stats().batches
-        while engine.stats().batches < batches + 20:  # well inside its decode loop
-            time.sleep(0.005)
+        process = runtime.spawn(runtime.load(program), args=["spin"], on_output=output)
+        assert decoding.wait(60)
         runtime.kill(process.pid, "killed: by the test")
         assert runtime.wait(process, 60) == EXIT_KILLED
     assert process.end_reason == "killed: by the test"

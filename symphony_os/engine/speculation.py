@@ -29,10 +29,6 @@ class Speculation:
         self.page = -1
         self.answer = None
 
-    @property
-    def token(self) -> int:
-        return self.request.tokens[0]
-
     def settle(self, result, error: BaseException | None) -> None:
         """The engine's answer: an adopted step's goes to its adopter (a dropped one never
         reaches here)."""

@@ -531,25 +531,30 @@ class Process:
             calls.tickets[pending_ticket] = request
 
     def _lane_submit(self) -> None:
-        """The guest waits in a lane call (its poll said so): its request to the engine, answered
-        through the process's _LaneAnswer."""
-        fiber = self._fiber
-        kv, token = fiber.lane_request()
+        """The guest waits in a lane call (its poll said so): its request to the engine."""
+        kv, token = self._fiber.lane_request()
+        self._decoding = self._lane_answer
+        self.state = ProcessState.BLOCKED_ON_PRED
+        self._queue_lane_step(kv, token)
+
+    def _queue_lane_step(self, kv: int, token: int) -> None:
+        """A lane request to the engine, answered through the process's _LaneAnswer: the step the
+        engine queued for it already, if it is this one (adopted), else submitted now. A
+        refusal, or a host error, answers this process's step alone (_lane_refused)."""
         answer = self._lane_answer
         answer.done = False
-        self._decoding = answer
-        self.state = ProcessState.BLOCKED_ON_PRED
         self._lane_streak += 1
+        engine = self.engine
         speculation = self._speculation
-        if speculation is not None:
-            self._speculation = None
-            if speculation.token == token and self.engine.adopt(speculation, answer):
-                answer.request = speculation.request
-                self._spec_backoff = 0
-                return
-            self._speculation_missed(speculation)
         try:
-            answer.request = self.engine.submit_decode(self.kv, kv, token, answer)
+            if speculation is not None:
+                self._speculation = None
+                if speculation.request.tokens[0] == token and engine.adopt(speculation, answer):
+                    answer.request = speculation.request
+                    self._spec_backoff = 0
+                    return
+                self._speculation_missed(speculation)
+            answer.request = engine.submit_decode(self.kv, kv, token, answer)
         except Exception as error:
             self._lane_refused(error)
 
@@ -616,29 +621,13 @@ def _answer_value(process: Process, result, error: BaseException | None) -> int:
     return int(ErrorCode.INTERNAL)
 
 
-def submit_lane_requests(engine, processes: list["Process"], lane, asked: int) -> None:
+def submit_lane_requests(processes: list["Process"], lane, asked: int) -> None:
     """The requests a decode-lane round made (fiber.LaneRound: `lane.requests[:asked]` index
-    `processes`), to the engine: each guest waits in its call, answered by its _LaneAnswer. The
-    one loop a lane round runs in Python per process."""
-    submit, adopt, requests, kvs, tokens = engine.submit_decode, engine.adopt, lane.requests, lane.kvs, lane.tokens
+    `processes`), to the engine: each guest waits in its call (its `_decoding` is its
+    _LaneAnswer still: it never left its lane). The one loop a lane round runs in Python."""
+    requests, kvs, tokens = lane.requests, lane.kvs, lane.tokens
     for k in range(asked):
-        process = processes[requests[k]]
-        answer = process._lane_answer
-        answer.done = False  # (process._decoding is this answer still: the guest never left its lane)
-        process._lane_streak += 1
-        speculation = process._speculation
-        try:
-            if speculation is not None:  # the step the engine queued already: the guest's own if it is this one
-                process._speculation = None
-                if speculation.request.tokens[0] == tokens[k] and adopt(speculation, answer):
-                    answer.request = speculation.request
-                    if process._spec_backoff:
-                        process._spec_backoff = 0
-                    continue
-                process._speculation_missed(speculation)
-            answer.request = submit(process.kv, kvs[k], tokens[k], answer)
-        except Exception as error:  # (a host bug, too, fails this process's step alone)
-            process._lane_refused(error)
+        processes[requests[k]]._queue_lane_step(kvs[k], tokens[k])
 
 
 class _DecodeAnswer:

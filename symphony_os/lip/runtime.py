@@ -245,7 +245,7 @@ class Worker:
         lane_round = self._lane_round
         asked, others = lane_round.run(array.array("Q", [process.poll_address for process in lane]), cpu_per_wall)
         if asked:
-            submit_lane_requests(self.driver.engine, lane, lane_round, asked)
+            submit_lane_requests(lane, lane_round, asked)
         if others:
             clock = time.perf_counter
             indices, states = lane_round.others, lane_round.states

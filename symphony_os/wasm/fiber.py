@@ -529,10 +529,10 @@ def _handle_sync_call(key):
     """Runs a `define_func` handler for fiber_native.c's sym_fiber_sync_call, which recorded
     the call in the polled fiber's slot: the answer goes there too. Returns 0, or a trap
     pointer. Never raises."""
-    function, call, fiber, outer = _FUNCTIONS.get(key), None, _polling.fiber, None
-    if fiber is None:  # polled by lane_round, in C
+    function, call, fiber = _FUNCTIONS.get(key), None, _polling.fiber
+    polled_by_lane = fiber is None  # polled by LaneRound, in C: found by its slot, polled here meanwhile
+    if polled_by_lane:
         fiber = _polling.fiber = _LANE_FIBERS.get(_fiber_polled())
-        outer = False
     try:
         view, fields = fiber._view, fiber._fields
         if fields[_LANE_OPEN] == 2:  # the lane closed for this call: the host takes back its counts first
@@ -553,7 +553,7 @@ def _handle_sync_call(key):
     finally:
         if call is not None:
             call._caller = None
-        if outer is False:
+        if polled_by_lane:
             _polling.fiber = None
 
 

@@ -6,7 +6,8 @@
  *   tickets        a lane ticket, an ordinary call between a lane pred_submit and its wait, a
  *                  second wait on an ended ticket, an ordinary ticket after the lane's
  *   submit-exit    a lane pred_submit the guest never waits for, then exit
- *   spin           decode for ever, computing between steps (for a limit or a kill to end) */
+ *   spin           decode for ever, computing between steps and reporting every 100th (for a
+ *                  limit or a kill to end) */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -84,8 +85,10 @@ int main(int argc, char **argv) {
                 return 0;
             }
             for (int i = 0; i < 20000; i++) work += (uint32_t)i * 2654435761u;
-            if (step % 100 == 0)  /* an ordinary call now and then (the lane reopens after it) */
+            if (step % 100 == 0) {  /* ordinary calls now and then (the lane reopens after them) */
+                report("steps", step);
                 __sym_kv_truncate(h, n);
+            }
         }
     }
     return 2;
