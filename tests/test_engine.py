@@ -247,6 +247,27 @@ def test_closing_a_handle_mid_flight_still_answers_and_frees(tiny_engine):
     assert tiny_engine.pool.stats().used == 0
 
 
+def test_a_sessions_queued_preds_are_dropped_and_a_started_one_runs_on(tiny_llama):
+    """What a process that ends leaves queued (Engine.drop_queued): preds no batch started go
+    at once, files released; a prefill a batch started runs its remaining chunks; another
+    session's preds are untouched."""
+    engine = Engine.from_path(tiny_llama, device="cpu", page_size=4, num_pages=64, token_budget=8)
+    kv, other = engine.session(), engine.session()
+    started = engine.submit(kv, kv.create(), list(range(1, 20)))  # 19 tokens: three chunks of 8
+    assert engine.step()  # its first chunk ran
+    queued = [engine.submit(kv, kv.create(), [1, 2, 3]) for _ in range(3)]
+    theirs = engine.submit(other, other.create(), [4, 5])
+    used = engine.pool.stats().used
+    assert engine.drop_queued(kv) == 3
+    assert not any(future.done() for future in queued)  # their answers go to no one
+    assert len(engine.scheduler) == 2 and engine.pool.stats().used == used  # (they had no pages yet)
+    kv.close_all()
+    engine.run_until_idle()
+    assert started.result().token is not None and theirs.result().token is not None
+    other.close_all()
+    assert engine.pool.stats().used == 0
+
+
 @pytest.mark.parametrize("copy", ["fork", "extract", "merge first", "merge second"])
 def test_copying_a_file_with_a_pred_in_flight_is_busy(tiny_engine, copy):
     """fork / extract / merge read the file's KV, which an unanswered pred has not written yet

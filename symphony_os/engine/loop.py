@@ -91,6 +91,9 @@ def _all_ints(values: list) -> bool:
 
 
 _INT_TYPES = {int, bool}
+# The positions of a request `drop_queued` took out of the queue, which a batch planned before
+# may still hold: `_prepare` skips it (no field of its own: that would cost every request).
+DROPPED_REQUEST: list[int] = []
 
 
 def _no_tokenizer(*_args, **_kwargs):
@@ -359,6 +362,26 @@ class Engine:
                     self.scheduler.discard(speculation.request)
             kvfs.release(speculation.request.file)
 
+    def drop_queued(self, session: KvSession) -> int:
+        """Take the preds on `session`'s files that no batch has started out of the queue, their
+        files released and their answers going to no one: for a process that ends (a kill, an
+        exit with a pred never waited for). A pred a batch started ends with its batch. How many
+        were dropped."""
+        files = session.files_in_flight()
+        if not files:
+            return 0
+        kvfs = self.kvfs
+        dropped = []
+        with kvfs.lock:  # `_prepare` starts requests under it: one not started now never will be
+            with self._queue_mutex:
+                for request in list(self.scheduler.waiting.values()):
+                    if request.file in files and request.started_at is None and not request.tentative:
+                        self.scheduler.discard(request)
+                        request.positions = DROPPED_REQUEST  # a batch that planned it already skips it
+                        dropped.append(request)
+            kvfs.end_preds([(request.file, True, None) for request in dropped], kvfs.clock())
+        return len(dropped)
+
     def pred(self, session: KvSession, handle: int, tokens: list[int], positions: list[int] | None = None,
              want: Want = GREEDY) -> PredResult:
         """submit() and wait; without a background thread, runs batches in this thread."""
@@ -444,6 +467,8 @@ class Engine:
                         seqs.append(SequenceInput(request.tokens, positions, [slot], file.pages, file.length,
                                                   request.want.__class__ is not GreedyEach,
                                                   request.want.__class__ is GreedyEach))
+                        continue
+                    if request.positions is DROPPED_REQUEST:  # since it was planned (drop_queued)
                         continue
                     from_file = False  # positions taken from the file just now: reserve_slots checks none
                     if request.length_before is None:

@@ -948,6 +948,11 @@ class KvSession:
             distinct = len({id(p) if isinstance(p, HostPage) else p for file in files for p in file.pages})
             return distinct + sum(file.repeated_pages for file in files)
 
+    def files_in_flight(self) -> set[KvFile]:
+        """The files behind this session's handles with a pred in flight (process exit)."""
+        with self.fs.lock:
+            return {entry.file for entry in self._handles.values() if entry.file.inflight}
+
     def close_all(self) -> None:
         """Close every handle this session still holds (process exit)."""
         with self.fs.lock:

@@ -602,6 +602,7 @@ class Process:
         with self._inbox_lock:
             self._inbox.clear()
             self._inbox_bytes = 0
+        self.engine.drop_queued(self.kv)  # preds no batch started: their pages go now, not after one
         self.kv.close_all()
         self.syscalls.tickets.clear()
         self.state, self.exit_code, self.end_reason = state, code, reason
