@@ -22,6 +22,17 @@ PAGE = 65536  # the guest has one page of memory
 OOB, NEG, HUGE = PAGE - 2, -1, 0x7FFFFFF0
 TEXT, BAD_IDS, GOOD_IDS, BAD_IOVEC = 1024, 1100, 1200, 1300
 RESULTS = 4096
+# Sampling records (core_abi.SAMPLING_RECORD, then SAMPLING_MORE when has_seed holds 2): a flag
+# no one defined; penalized ids out of bounds; more penalized ids than the vocabulary; a record
+# whose 24 more bytes would lie past the end of memory.
+SAMPLING = struct.Struct("<ffiiQiiiiiiffiiii")
+BAD_FLAGS, WILD_PENALIZED, TOO_MANY_PENALIZED, MORE_PAST_THE_END = 1400, 1500, 1600, PAGE - 56
+SAMPLING_RECORDS = {
+    BAD_FLAGS: SAMPLING.pack(0, 1, 0, 4, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0),
+    WILD_PENALIZED: SAMPLING.pack(0, 1, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 2, OOB, 10, 0, 0),
+    TOO_MANY_PENALIZED: SAMPLING.pack(0, 1, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 2, GOOD_IDS, HUGE, 0, 0),
+    MORE_PAST_THE_END: SAMPLING.pack(0, 1, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0)[:48],
+}
 
 # (call, args, expected). "KV" is a handle the guest created, "STALE" one it closed,
 # "TICKET" a pred in flight. 3 is a handle number this guest never got (another process may hold it).
@@ -85,6 +96,10 @@ CASES = [
     ("pred_submit", ["KV", GOOD_IDS, 0, 1, 1, 0], E.INVALID_ARGUMENT),  # top-0
     ("pred_submit", ["KV", GOOD_IDS, 0, 1, 2, OOB], E.BAD_POINTER),  # sampling record
     ("pred_submit", ["KV", GOOD_IDS, 0, 1, 2, NEG], E.BAD_POINTER),
+    ("pred_submit", ["KV", GOOD_IDS, 0, 1, 2, BAD_FLAGS], E.INVALID_ARGUMENT),
+    ("pred_submit", ["KV", GOOD_IDS, 0, 1, 2, WILD_PENALIZED], E.BAD_POINTER),
+    ("pred_submit", ["KV", GOOD_IDS, 0, 1, 2, TOO_MANY_PENALIZED], E.INVALID_ARGUMENT),
+    ("pred_submit", ["KV", GOOD_IDS, 0, 1, 2, MORE_PAST_THE_END], E.BAD_POINTER),
     ("pred_wait", [999, 0, 0], E.BAD_HANDLE), ("pred_wait", [NEG, 0, 0], E.BAD_HANDLE),
     ("pred_wait", ["TICKET", OOB, 1000], E.BAD_POINTER),  # the distribution does not fit there
     ("pred_wait", ["TICKET", RESULTS + 1024, 3], E.BUFFER_TOO_SMALL),
@@ -105,6 +120,10 @@ def arg(value):
     return f"(global.get ${value.lower()})" if isinstance(value, str) else f"(i32.const {value})"
 
 
+def _wat_bytes(data: bytes) -> str:
+    return "".join("\\%02x" % b for b in data)
+
+
 def abusive_module() -> bytes:
     table = CoreCalls.table()
     imports = "\n".join(
@@ -113,6 +132,7 @@ def abusive_module() -> bytes:
     calls = "\n".join(
         f"(i32.store (i32.const {RESULTS + 4 * i}) (call ${name} {' '.join(arg(a) for a in args)}))"
         for i, (name, args, _) in enumerate(CASES))
+    records = "\n".join(f'(data (i32.const {at}) "{_wat_bytes(record)}")' for at, record in SAMPLING_RECORDS.items())
     return wat(f"""(module
       {imports}
       (import "wasi_snapshot_preview1" "fd_write" (func $fd_write (param i32 i32 i32 i32) (result i32)))
@@ -121,6 +141,7 @@ def abusive_module() -> bytes:
       (data (i32.const {BAD_IDS}) "\\ff\\ff\\ff\\7f")
       (data (i32.const {GOOD_IDS}) "\\01\\00\\00\\00")
       (data (i32.const {BAD_IOVEC}) "\\00\\00\\ff\\7f\\10\\00\\00\\00")
+      {records}
       (global $kv (mut i32) (i32.const 0))
       (global $stale (mut i32) (i32.const 0))
       (global $ticket (mut i32) (i32.const 0))

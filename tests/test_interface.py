@@ -95,7 +95,8 @@ def _host_constants() -> dict[str, int]:
     return {"PRED_DIST": core_abi.KIND_DISTRIBUTION, "PRED_TOPK": core_abi.KIND_TOPK,
             "PRED_SAMPLE": core_abi.KIND_SAMPLE, "PRED_GREEDY_EACH": core_abi.KIND_GREEDY_EACH,
             "KV_CREATE": OpenFlags.CREATE, "KV_EXCLUSIVE": OpenFlags.EXCLUSIVE, "KV_READ_ONLY": OpenFlags.READ_ONLY,
-            "HINT_PINNED": 1, "HINT_DROP_ON_CLOSE": 2}
+            "HINT_PINNED": 1, "HINT_DROP_ON_CLOSE": 2,
+            "SAMPLING_SEED": core_abi.SAMPLING_SEED, "SAMPLING_MORE": core_abi.SAMPLING_MORE_FOLLOWS}
 
 
 def test_sdk_constants_match_the_host():
@@ -117,16 +118,22 @@ def test_sdk_constants_match_the_host():
 
 
 def test_sampling_record_layout_is_the_same_in_every_sdk():
-    """The host's struct format, C's field order, Rust's #[repr(C)] struct, AssemblyScript's offsets."""
-    from symphony_os.lip.core_abi import SAMPLING_RECORD
+    """The host's struct format, C's field order, Rust's #[repr(C)] struct, AssemblyScript's
+    offsets; with the 24-byte record that may follow (C's sym_sampling_more), which Rust's and
+    AssemblyScript's records always carry."""
+    from symphony_os.lip.core_abi import SAMPLING_MORE, SAMPLING_RECORD
 
     assert SAMPLING_RECORD.format == "<ffiiQiiiiii" and SAMPLING_RECORD.size == 48
+    assert SAMPLING_MORE.format == "<ffiiii" and SAMPLING_MORE.size == 24
+    more = ["min_p", "repetition_penalty", "penalized", "n_penalized", "logprobs", "top_logprobs"]
     fields = ["temperature", "top_p", "top_k", "has_seed", "seed", "allowed", "n_allowed", "bias_ids",
-              "bias_values", "n_bias", "grammar"]
-    sizes = [4, 4, 4, 4, 8, 4, 4, 4, 4, 4, 4]
+              "bias_values", "n_bias", "grammar"] + more
+    sizes = [4, 4, 4, 4, 8, 4, 4, 4, 4, 4, 4] + [4] * len(more)
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     struct_c = HEADER[HEADER.index("typedef struct sym_sampling {"):HEADER.index("} sym_sampling;")]
-    assert re.findall(r"\*?(\w+);", struct_c) == fields
+    assert re.findall(r"\*?(\w+);", struct_c) == fields[:-len(more)]
+    struct_c = HEADER[HEADER.index("typedef struct sym_sampling_more {"):HEADER.index("} sym_sampling_more;")]
+    assert re.findall(r"\*?(\w+);", struct_c) == more
     struct_rust = RUST[RUST.index("struct SamplingRecord {"):]
     struct_rust = struct_rust[:struct_rust.index("}")]
     assert re.findall(r"(\w+): [iuf](?:32|64),", struct_rust) == fields

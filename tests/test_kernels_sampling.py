@@ -29,11 +29,15 @@ def processed_logits(logits: torch.Tensor, bias: dict[int, float] | None, allowe
     return x
 
 
-def reference_probs(x: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def reference_probs(x: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
     """The distribution one row is drawn from (float64), as symphony_os.engine.sampling defines it."""
     if temperature == 0:
         return torch.nn.functional.one_hot(x.argmax(), x.numel()).double()
     y = (x - x.max()) / temperature
+    if min_p > 0:
+        # Keep the test away from the cut, where float32 rounding could decide.
+        assert (y - math.log(min_p)).abs().min() > 1e-3, "pick a min_p away from a token's probability ratio"
+        y = y.masked_fill(y < math.log(min_p), float("-inf"))
     if 0 < top_k < y.numel():
         y = y.masked_fill(y < y.topk(top_k).values[-1], float("-inf"))
     probs = y.softmax(-1)
@@ -57,12 +61,13 @@ def as_bitmask(allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
-def params(rows: int, temperature=0.0, top_k=0, top_p=1.0, seeds=None) -> dict:
+def params(rows: int, temperature=0.0, top_k=0, top_p=1.0, seeds=None, min_p=0.0) -> dict:
     return dict(
         temperature=torch.full((rows,), temperature, device=DEVICE),
         top_k=torch.full((rows,), top_k, dtype=torch.int32, device=DEVICE),
         top_p=torch.full((rows,), top_p, device=DEVICE),
         seeds=(torch.arange(rows) if seeds is None else seeds).to(DEVICE),
+        **({"log_min_p": torch.full((rows,), math.log(min_p), device=DEVICE)} if min_p > 0 else {}),
     )
 
 
@@ -148,6 +153,25 @@ def test_draws_are_deterministic_per_seed_and_independent_of_the_batch():
     assert int(alone) == int(first[10])
 
 
+def test_min_p_keeps_the_tokens_at_least_min_p_as_likely_as_the_best_and_leaves_greedy_rows_alone():
+    rows, vocab = 256, 40
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(rows, vocab, generator=generator) * 2
+    min_p = torch.where(torch.arange(rows) % 2 == 0, 0.3, 0.02)
+    temperature = torch.where(torch.arange(rows) % 4 == 3, 0.0, 0.9)  # a quarter greedy
+    out = sample(logits.to(DEVICE), temperature.to(DEVICE), torch.zeros(rows, dtype=torch.int32, device=DEVICE),
+                 torch.ones(rows, device=DEVICE), torch.arange(rows).to(DEVICE), log_min_p=min_p.log().to(DEVICE))
+    kept_counts = set()
+    for r, token in enumerate(out.token_ids.tolist()):
+        if temperature[r] == 0:
+            assert token == int(logits[r].argmax())
+            continue
+        y = (logits[r] - logits[r].max()) / float(temperature[r])
+        assert y[token] >= math.log(float(min_p[r])) - 1e-6
+        kept_counts.add(int((y >= math.log(float(min_p[r]))).sum()))
+    assert len(kept_counts) > 3  # rows kept sets of several sizes
+
+
 def test_filtered_and_disallowed_tokens_are_never_drawn():
     rows, vocab = 768, 24
     generator = torch.Generator().manual_seed(1)
@@ -177,6 +201,8 @@ CONFIGS = {
     "hot-top-k": dict(temperature=1.5, top_k=5),
     "cold-top-p": dict(temperature=0.7, top_p=0.8),
     "everything": dict(temperature=0.6, top_k=8, top_p=0.9, bias=True, mask=True),
+    "min-p": dict(temperature=1.2, min_p=0.12),
+    "min-p-then-top-k-and-top-p": dict(temperature=1.3, min_p=0.07, top_k=6, top_p=0.85, bias=True, mask=True),
 }
 
 
@@ -189,7 +215,8 @@ def test_draws_follow_the_reference_distribution(config):
     bias = {4: 2.0, 9: -1.5, 17: 1.0} if settings.pop("bias", False) else None
     allowed = (torch.arange(vocab) % 4 != 1) if settings.pop("mask", False) else None
     x = processed_logits(row, bias, allowed)
-    probs = reference_probs(x, settings["temperature"], settings.get("top_k", 0), settings.get("top_p", 1.0))
+    probs = reference_probs(x, settings["temperature"], settings.get("top_k", 0), settings.get("top_p", 1.0),
+                            settings.get("min_p", 0.0))
 
     kwargs = {}
     if bias:

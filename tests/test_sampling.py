@@ -42,6 +42,39 @@ def test_mixed_batch_matches_the_reference_row_by_row():
     assert [batched[r].token for r in (1, 3, 5, 7)] == [11, 7, 3, 9]
 
 
+def test_a_repetition_penalty_and_min_p_give_the_same_tokens_on_both_paths():
+    """The penalty divides a penalized token's positive logit and multiplies a negative one
+    (the greedy rows show it); min-p keeps only the tokens near the best (a tiny min-p keeps
+    every one, a min-p of 1 the best alone, so a seeded draw is the argmax)."""
+    logits = random_logits(6, seed=4)
+    best, runner_up = logits[0].topk(2).indices.tolist()
+    lowest = int(logits[1].argmin())
+    logits[1, lowest] = -0.5  # a negative logit, made the largest by a penalty below 1
+    logits[1, :lowest] = logits[1, lowest + 1:] = -1.0  # (the rest lower still)
+    wants = [Sample(repetition_penalty=50.0, penalized=(best, best)),  # repeated: penalized once
+             Sample(repetition_penalty=0.5, penalized=(lowest,)),
+             Sample(temperature=0.8, seed=7, min_p=1.0, repetition_penalty=1.3, penalized=(1, 2, 3)),
+             Sample(temperature=0.8, seed=7, min_p=1e-30),
+             Sample(),
+             Sample(temperature=0.5, seed=3, top_k=4, min_p=0.2, logit_bias={5: 1.0}, penalized=(5, 6),
+                    repetition_penalty=2.0)]
+    reference, batched = both(logits, wants)
+    deterministic = (0, 1, 2, 4)  # (a seed's draw differs between the paths; each repeats)
+    assert [batched[r].token for r in deterministic] == [reference[r].token for r in deterministic]
+    assert batched[0].token == runner_up and batched[1].token == lowest
+    penalized = logits[2].clone()
+    penalized[[1, 2, 3]] = torch.where(penalized[[1, 2, 3]] > 0, penalized[[1, 2, 3]] / 1.3, penalized[[1, 2, 3]] * 1.3)
+    assert batched[2].token == int(penalized.argmax())
+    plain = both(logits[3:4], [Sample(temperature=0.8, seed=7)])
+    assert batched[3].token == plain[1][0].token and reference[3].token == plain[0][0].token
+    row = logits[5].clone()
+    row[[5, 6]] = torch.where(row[[5, 6]] > 0, row[[5, 6]] / 2, row[[5, 6]] * 2)
+    row[5] += 1.0
+    tempered = (row - row.max()) / 0.5
+    kept = set((tempered >= torch.log(torch.tensor(0.2))).nonzero().flatten().tolist()) & set(tempered.topk(4).indices.tolist())
+    assert {batched[5].token, reference[5].token} <= kept
+
+
 def test_homogeneous_greedy_batch_matches_argmax():
     logits = random_logits(64, seed=1)
     _, batched = both(logits, [Sample()] * 64)

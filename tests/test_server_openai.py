@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from served import SMALL_QUOTAS, TOKENS, served, wait_until  # noqa: F401 (fixture)
 
 from symphony_os.client.client import Client
+from symphony_os.engine.sampling import Sample
 from symphony_os.server.completion import BranchText
 
 PROMPT = "Once upon a time"
@@ -107,8 +108,10 @@ def test_a_streamed_request_is_measured_in_vllms_metrics(served, api):
     (dict(presence_penalty=2.5), "presence_penalty"),
     (dict(frequency_penalty=-1.0, logprobs=True), "frequency_penalty"),
     (dict(extra_body={"top_k": -5}), "top_k"),
-    (dict(extra_body={"min_p": 0.1}), "min_p"),
-    (dict(extra_body={"repetition_penalty": 1.2}), "repetition_penalty"),
+    (dict(extra_body={"min_p": 1.5}), "min_p"),
+    (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
+    (dict(extra_body={"repetition_penalty": 1.2}, logprobs=True), "repetition_penalty"),
+    (dict(extra_body={"min_p": 0.1}, logprobs=True), "min_p"),
     (dict(extra_body={"guided_json": {"type": "object"}}), "guided_json"),
     (dict(extra_body={"min_tokens": 99}), "min_tokens"),
     (dict(extra_body={"no_such_parameter": 1}), "no_such_parameter"),
@@ -522,6 +525,30 @@ def test_top_k_logit_bias_penalties_ignore_eos_and_min_tokens(served, api):
     past = api.completions.create(**base | dict(max_tokens=7), temperature=0, logit_bias=eos,
                                   extra_body={"ignore_eos": True})
     assert past.usage.completion_tokens == 7 and past.choices[0].finish_reason == "length"
+
+
+def test_min_p_and_the_repetition_penalty(served, api):
+    """min_p 1 keeps the best token alone: greedy at any temperature. The repetition penalty is
+    vLLM's, on the prompt's tokens and the answer's so far: the answer is the engine's own
+    greedy decoding under that penalty, step by step (and repeats itself less than greedy)."""
+    engine = served.engine
+    prompt = engine.tokenize(PROMPT)
+    base = dict(model="stories260K", prompt=prompt, max_tokens=40)
+    greedy = api.completions.create(**base, temperature=0).choices[0].text
+    assert api.completions.create(**base, temperature=1.5, seed=3, extra_body={"min_p": 1.0}).choices[0].text == greedy
+    penalized = api.completions.create(**base, temperature=0, extra_body={"repetition_penalty": 3.0}).choices[0]
+    kv = engine.session()
+    handle, seen, feed, expected = kv.create(), list(prompt), prompt, []
+    for _ in range(40):
+        token = engine.pred(kv, handle, feed, want=Sample(repetition_penalty=3.0, penalized=tuple(seen))).token
+        if token in engine.loaded.eos_token_ids:
+            break
+        expected.append(token)
+        seen.append(token)
+        feed = [token]
+    kv.close_all()
+    context = engine.detokenize(prompt[-1:])  # (an answer's text is decoded after the prompt's last token)
+    assert penalized.text == engine.detokenize(prompt[-1:] + expected)[len(context):] and penalized.text != greedy
 
 
 def test_several_prompts_in_one_completions_request(api):

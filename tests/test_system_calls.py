@@ -30,8 +30,11 @@ def expected_table(engine: Engine) -> dict[str, str]:
     kv = engine.session()
     handle = kv.create()
     greedy = engine.pred(kv, handle, ids).token
-    from symphony_os.engine.sampling import TopK
+    from symphony_os.engine.sampling import Sample, TopK
     top = engine.pred(kv, handle, [greedy], want=TopK(3)).top_ids[0]
+    penalized = kv.create()
+    second = engine.pred(kv, penalized, ids, want=Sample(repetition_penalty=1e6, penalized=(greedy,))).token
+    after = engine.pred(kv, penalized, [second]).token
     kv.close_all()
     table = {
         "vocab-size": engine.loaded.config.vocab_size, "bos-id": engine.loaded.bos_token_id,
@@ -47,6 +50,9 @@ def expected_table(engine: Engine) -> dict[str, str]:
         "pred-wait-top-k": 3, "top-k-first": top, "pred-wait-again": E.BAD_HANDLE,
         "pred-wait-unknown": E.BAD_HANDLE, "pred-bad-token": E.INVALID_ARGUMENT,
         "pred-position-gap": E.POSITION_ERROR, "pred-after-errors": 1,
+        # min-p and the repetition penalty: the best token penalized leaves the second; a min-p
+        # of 1 keeps the best alone, whatever the temperature; a penalty of 0 is refused
+        "pred-penalized": second, "pred-min-p-one": after, "pred-no-penalty": E.INVALID_ARGUMENT,
         "tool": "42", "tool-unknown": E.UNSUPPORTED, "recv": "ping", "recv-closed": E.CLOSED,
     }
     return {label: str(int(value) if isinstance(value, E) else value) for label, value in table.items()}

@@ -96,6 +96,8 @@ export const HINT_DROP_ON_CLOSE: i32 = 2;
 const PRED_DIST: i32 = 0;
 const PRED_TOPK: i32 = 1;
 const PRED_SAMPLE: i32 = 2;
+const SAMPLING_SEED: i32 = 1;
+const SAMPLING_MORE: i32 = 2;
 const PRED_GREEDY_EACH: i32 = 3;
 
 // ---- process ----
@@ -278,7 +280,9 @@ export class Kv {
   }
 }
 
-/** How the host samples: the 48-byte record of the ABI (pred-submit kind 2). */
+/** How the host samples: the 48-byte record of the ABI (pred-submit kind 2) and the 24 bytes
+ *  that follow it (bit 2 of its has_seed): min-p (0: off) and a repetition penalty (1: off) on
+ *  the `penalized` ids. */
 export class Sampling {
   temperature: f32 = 0;
   topP: f32 = 1;
@@ -287,14 +291,17 @@ export class Sampling {
   allowed: Int32Array | null = null;  // constrained decoding
   biasIds: Int32Array | null = null;
   biasValues: Float32Array | null = null;
-  private buffer: ArrayBuffer = new ArrayBuffer(48);
+  minP: f32 = 0;
+  repetitionPenalty: f32 = 1;
+  penalized: Int32Array | null = null;
+  private buffer: ArrayBuffer = new ArrayBuffer(72);
 
   record(): usize {
     const p = changetype<usize>(this.buffer);
     store<f32>(p, this.temperature);
     store<f32>(p, this.topP, 4);
     store<i32>(p, this.topK, 8);
-    store<i32>(p, this.seed >= 0 ? 1 : 0, 12);
+    store<i32>(p, (this.seed >= 0 ? 1 : 0) | SAMPLING_MORE, 12);
     store<u64>(p, this.seed >= 0 ? <u64>this.seed : 0, 16);
     const allowed = this.allowed;
     store<i32>(p, allowed ? <i32>allowed.dataStart : 0, 24);
@@ -305,6 +312,13 @@ export class Sampling {
     store<i32>(p, values ? <i32>values.dataStart : 0, 36);
     store<i32>(p, nBias, 40);
     store<i32>(p, 0, 44);
+    store<f32>(p, this.minP, 48);
+    store<f32>(p, this.repetitionPenalty, 52);
+    const penalized = this.penalized;
+    store<i32>(p, penalized ? <i32>penalized.dataStart : 0, 56);
+    store<i32>(p, penalized ? penalized.length : 0, 60);
+    store<i32>(p, 0, 64);
+    store<i32>(p, 0, 68);
     return p;
   }
 }

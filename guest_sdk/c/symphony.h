@@ -59,7 +59,7 @@ typedef struct sym_sampling {
     float temperature;          /* 0: greedy, any finite value > 0 (however small) samples */
     float top_p;                /* 1: off */
     int32_t top_k;              /* 0: off */
-    int32_t has_seed;           /* 1: use seed */
+    int32_t has_seed;           /* bits: SYM_SAMPLING_SEED (use seed), SYM_SAMPLING_MORE (a sym_sampling_more follows) */
     uint64_t seed;
     const int32_t *allowed;     /* allowed token ids (constrained decoding), or NULL */
     int32_t n_allowed;
@@ -70,6 +70,30 @@ typedef struct sym_sampling {
 } sym_sampling;
 
 _Static_assert(sizeof(sym_sampling) == 48, "sym_sampling is 48 bytes");
+
+/* What may follow a sym_sampling (its has_seed holding SYM_SAMPLING_MORE): min-p and a
+ * repetition penalty (vLLM's: a penalized token's positive logit is divided by it, a negative
+ * one multiplied; list the prompt's and the output's tokens). 24 bytes, part of the ABI. */
+typedef struct sym_sampling_more {
+    float min_p;                /* 0 (off), or keep the tokens at least min_p times as likely as the best */
+    float repetition_penalty;   /* 1 (off), or any value > 0 */
+    const int32_t *penalized;   /* the ids it applies to (repeats allowed) */
+    int32_t n_penalized;
+    int32_t logprobs;           /* 0 (none is served yet) */
+    int32_t top_logprobs;       /* 0 */
+} sym_sampling_more;
+
+_Static_assert(sizeof(sym_sampling_more) == 24, "sym_sampling_more is 24 bytes");
+
+#define SYM_SAMPLING_SEED 1
+#define SYM_SAMPLING_MORE 2
+
+/* A sym_sampling with what follows it: set `.base.has_seed |= SYM_SAMPLING_MORE` and pass
+ * &its.base to sym_pred_sample / sym_pred_submit_sample. */
+typedef struct sym_sampling_ext {
+    sym_sampling base;
+    sym_sampling_more more;
+} sym_sampling_ext;
 
 #define SYM_IMPORT(name) __attribute__((import_module("symphony"), import_name(#name)))
 

@@ -156,13 +156,15 @@ class Greedy:
     """The most likely token, chosen on the host."""
 
     def want(self) -> inference.Want:
-        return inference.Want_Sample(Sampling(0.0, 1.0, 0, None, None, [], 0))
+        return inference.Want_Sample(Sampling(0.0, 1.0, 0, None, None, [], 0, 0.0, 1.0, []))
 
 
 @dataclass(frozen=True)
 class Sampler:
     """A token sampled on the host: temperature (0: greedy), top-p, top-k (0: off), seed,
-    an allowed-token list and a `Grammar` (constrained decoding), logit biases {id: value}."""
+    an allowed-token list and a `Grammar` (constrained decoding), logit biases {id: value},
+    min-p (0: off) and a repetition penalty (1: off) on the `penalized` ids (vLLM's: list the
+    prompt's and the output's tokens)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -171,11 +173,15 @@ class Sampler:
     allowed: list[int] | None = None
     bias: dict[int, float] = field(default_factory=dict)
     grammar: "Grammar | None" = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    penalized: list[int] = field(default_factory=list)
 
     def want(self) -> inference.Want:
         return inference.Want_Sample(Sampling(self.temperature, self.top_p, self.top_k, self.seed, self.allowed,
                                               list(self.bias.items()),
-                                              0 if self.grammar is None else self.grammar.handle))
+                                              0 if self.grammar is None else self.grammar.handle,
+                                              self.min_p, self.repetition_penalty, list(self.penalized)))
 
 
 @dataclass(frozen=True)

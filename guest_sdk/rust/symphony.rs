@@ -102,6 +102,8 @@ pub const HINT_DROP_ON_CLOSE: i32 = 2;
 const PRED_DIST: i32 = 0;
 const PRED_TOPK: i32 = 1;
 const PRED_SAMPLE: i32 = 2;
+const SAMPLING_SEED: i32 = 1;
+const SAMPLING_MORE: i32 = 2;
 const PRED_GREEDY_EACH: i32 = 3;
 
 // ---- model ----
@@ -346,9 +348,15 @@ pub struct Sampling {
     pub bias_values: Vec<f32>,
     /// A grammar's handle (`Grammar::handle`): the draw keeps to what it allows next and moves it on.
     pub grammar: Option<i32>,
+    /// After the temperature, only the tokens at least min_p times as likely as the best (0: off).
+    pub min_p: f32,
+    /// Divides a positive logit of the `penalized` ids, multiplies a negative one (0 is taken as 1: off).
+    pub repetition_penalty: f32,
+    pub penalized: Vec<u32>,
 }
 
-/// The 48-byte sampling record of the ABI (wit/symphony.wit, pred-submit kind 2).
+/// The 48-byte sampling record of the ABI (wit/symphony.wit, pred-submit kind 2) and the
+/// 24 bytes that follow it (its has_seed's bit 2): min-p and the repetition penalty.
 #[repr(C)]
 struct SamplingRecord {
     temperature: f32,
@@ -362,6 +370,12 @@ struct SamplingRecord {
     bias_values: i32,
     n_bias: i32,
     grammar: i32,
+    min_p: f32,
+    repetition_penalty: f32,
+    penalized: i32,
+    n_penalized: i32,
+    logprobs: i32,
+    top_logprobs: i32,
 }
 
 impl Sampling {
@@ -377,7 +391,7 @@ impl Sampling {
             temperature: self.temperature,
             top_p: if self.top_p > 0.0 { self.top_p } else { 1.0 },
             top_k: self.top_k as i32,
-            has_seed: self.seed.is_some() as i32,
+            has_seed: self.seed.is_some() as i32 | SAMPLING_MORE,
             seed: self.seed.unwrap_or(0),
             allowed: if self.allowed.is_some() { allowed.as_ptr() as i32 } else { 0 },
             n_allowed: allowed.len() as i32,
@@ -385,6 +399,12 @@ impl Sampling {
             bias_values: self.bias_values.as_ptr() as i32,
             n_bias: self.bias_ids.len().min(self.bias_values.len()) as i32,
             grammar: self.grammar.unwrap_or(0),
+            min_p: self.min_p,
+            repetition_penalty: if self.repetition_penalty > 0.0 { self.repetition_penalty } else { 1.0 },
+            penalized: self.penalized.as_ptr() as i32,
+            n_penalized: self.penalized.len() as i32,
+            logprobs: 0,
+            top_logprobs: 0,
         }
     }
 }

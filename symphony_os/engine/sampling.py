@@ -3,8 +3,8 @@
 A request asks for one of four things (the `want` of a `PredRequest`):
 - `Distribution()`: the full next-token probability distribution (the paper's semantics);
 - `TopK(k)`: the k most likely ids with their log-probabilities;
-- `Sample(...)`: one token (greedy when temperature is 0), after logit bias, an allowed-token
-  mask, temperature, top-k and top-p;
+- `Sample(...)`: one token (greedy when temperature is 0), after a repetition penalty, logit
+  bias, an allowed-token mask, temperature, min-p, top-k and top-p;
 - `GreedyEach()`: the argmax after every appended token (speculative decoding's verification;
   the engine answers it itself, from the logits of every row of the request).
 
@@ -69,7 +69,13 @@ class Sample:
     host and the device path, each is deterministic. `logit_bias` maps token id -> value added
     to its logit; `allowed_tokens` restricts the choice to those ids (constrained decoding);
     `grammar` to the tokens a grammar allows next (engine/grammar.py), which the token drawn
-    then moves on.
+    then moves on. `repetition_penalty` (vLLM's and transformers') divides the positive logits
+    of the `penalized` ids by it and multiplies their negative ones (a caller lists the tokens
+    of its prompt and output there); `min_p` keeps, after the temperature, only the tokens at
+    least min_p times as likely as the most likely one.
+
+    The order: repetition penalty, logit bias, the allowed tokens and the grammar, then greedy
+    (argmax), or temperature, min-p, top-k and top-p among those left, and the draw.
     """
 
     temperature: float = 0.0
@@ -81,6 +87,9 @@ class Sample:
     # A grammar.Grammar: the token is drawn among those it allows next (and with allowed_tokens,
     # among both), and moves it on.
     grammar: object | None = field(default=None, hash=False, compare=False)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    penalized: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -174,6 +183,12 @@ def _validate_sample(want: Sample, vocab_size: int) -> None:
         raise InvalidArgument(f"top_k must be >= 0, got {want.top_k}")
     if want.seed is not None and not -2**63 <= want.seed < 2**64:
         raise InvalidArgument(f"a seed is a 64-bit integer, got {want.seed}")
+    if not 0 <= want.min_p <= 1:
+        raise InvalidArgument(f"min_p must be in [0, 1], got {want.min_p}")
+    if not 0 < want.repetition_penalty < math.inf:
+        raise InvalidArgument(f"repetition_penalty must be finite and > 0, got {want.repetition_penalty}")
+    if want.penalized and any(not isinstance(i, int) or not 0 <= i < vocab_size for i in want.penalized):
+        raise InvalidArgument(f"penalized token ids must be in [0, {vocab_size})")
     if not want.logit_bias and want.allowed_tokens is None:  # (most: no ids to check)
         return
     if not all(abs(value) <= FLOAT32_MAX for value in want.logit_bias.values()):  # (NaN fails too)
@@ -207,7 +222,25 @@ def _grammar_mask(want: Sample, given) -> torch.Tensor:
     return want.grammar.next_bitmask()
 
 
+def _penalize(logits: torch.Tensor, ids, penalty: float) -> torch.Tensor:
+    """logits with those at `ids` (repeats allowed) under a repetition penalty: a positive one
+    divided by it, a negative one multiplied."""
+    ids = torch.as_tensor(ids, dtype=torch.int64, device=logits.device)
+    chosen = logits[ids]
+    logits = logits.clone()
+    logits[ids] = torch.where(chosen > 0, chosen / penalty, chosen * penalty)
+    return logits
+
+
+def _min_p_cut(tempered: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Tempered logits (the largest 0) without the tokens less than min_p times as likely as the
+    most likely: below log(min_p), in float32 (the kernel compares the same numbers)."""
+    return tempered.masked_fill(tempered < float(np.float32(math.log(min_p))), float("-inf"))
+
+
 def _sample_row(logits: torch.Tensor, want: Sample, generator: torch.Generator, grammar_mask=None) -> int:
+    if want.penalized and want.repetition_penalty != 1:
+        logits = _penalize(logits, want.penalized, want.repetition_penalty)
     if want.logit_bias:
         ids = torch.tensor(list(want.logit_bias), device=logits.device)
         logits = logits.index_add(0, ids, torch.tensor(list(want.logit_bias.values()), device=logits.device))
@@ -225,6 +258,8 @@ def _sample_row(logits: torch.Tensor, want: Sample, generator: torch.Generator, 
     # Relative to the largest: at most 0, so no temperature, however small, overflows (the
     # largest stays 0) and the softmax below is never NaN (kernels/sampling.py does the same).
     logits = (logits - logits.max()) / max(want.temperature, FLOAT32_TINY)
+    if want.min_p > 0:
+        logits = _min_p_cut(logits, want.min_p)
     if want.top_k and want.top_k < logits.numel():
         threshold = torch.topk(logits, want.top_k).values[-1]
         logits = logits.masked_fill(logits < threshold, float("-inf"))
@@ -280,7 +315,7 @@ def process_logits_reference(logits: torch.Tensor, wants: list[Want], default_ge
                 values, ids = top_k_of_row(log_probs[row], want.k)
                 results.append(PredResult(top_ids=ids.tolist(), top_logprobs=values.tolist()))
             elif (want.temperature == 0 and not want.logit_bias and want.allowed_tokens is None
-                  and want.grammar is None):
+                  and want.grammar is None and not want.penalized):
                 if greedy is None:  # one argmax over the batch, one transfer
                     greedy = _argmax_rows(logits)
                 results.append(PredResult(token=greedy[row]))
@@ -342,6 +377,8 @@ def _sample_rows(logits: torch.Tensor, wants: list[Sample], default_generator: t
     from ..kernels.sampling import sample  # imports triton: only where a batch needs it
 
     device = logits.device
+    if any(want.penalized and want.repetition_penalty != 1 for want in wants):
+        logits = _penalize_rows(logits, wants)
     unseeded = [row for row, want in enumerate(wants) if want.seed is None]
     seeds = [_as_int64(want.seed) if want.seed is not None else 0 for want in wants]
     if unseeded:
@@ -360,9 +397,32 @@ def _sample_rows(logits: torch.Tensor, wants: list[Sample], default_generator: t
     if any(want.allowed_tokens is not None or mask is not None for want, mask in zip(wants, grammar_masks)):
         kwargs["allowed"] = _upload(_allowed_bitmask(wants, logits.shape[1], grammar_masks), torch.int32, device)
     temperatures = [max(w.temperature, FLOAT32_TINY) if w.temperature > 0 else 0.0 for w in wants]
-    floats = _upload([temperatures, [w.top_p for w in wants]], torch.float32, device)
+    rows = [temperatures, [w.top_p for w in wants]]
+    if any(want.min_p > 0 for want in wants):
+        rows.append([math.log(w.min_p) if w.min_p > 0 else -math.inf for w in wants])
+    floats = _upload(rows, torch.float32, device)
+    if len(rows) == 3:
+        kwargs["log_min_p"] = floats[2]
     ints = _upload([[w.top_k for w in wants], seeds], torch.int64, device)
     return sample(logits, floats[0], ints[0], floats[1], ints[1], **kwargs).token_ids
+
+
+def _penalize_rows(logits: torch.Tensor, wants: list[Sample]) -> torch.Tensor:
+    """A copy of the Sample rows' logits with each row's repetition penalty applied (`_penalize`,
+    batched): one gather and one scatter. A row's padding repeats its first penalized id (the
+    same value written twice); a row without one rewrites column 0 as it was."""
+    width = max(len(want.penalized) for want in wants)
+    ids = np.zeros((len(wants), width), dtype=np.int64)
+    factors = np.ones(len(wants), dtype=np.float32)
+    for row, want in enumerate(wants):
+        if want.penalized and want.repetition_penalty != 1:
+            ids[row] = want.penalized[0]
+            ids[row, :len(want.penalized)] = want.penalized
+            factors[row] = want.repetition_penalty
+    ids = _upload(ids, torch.int64, logits.device)
+    factors = _upload(factors, torch.float32, logits.device)[:, None].to(logits.dtype)
+    chosen = logits.gather(1, ids)
+    return logits.clone().scatter_(1, ids, torch.where(chosen > 0, chosen / factors, chosen * factors))
 
 
 def _top_k_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,12 +1,12 @@
 """Batched sampling on the device in Triton: per row, logit bias, an allowed-token mask,
-temperature (0 = greedy), top-k, top-p and a seeded draw, plus the top log-probs.
+temperature (0 = greedy), min-p, top-k, top-p and a seeded draw, plus the top log-probs.
 
 No sort. Each row is read in chunks, several times:
 1. `_process_logits_kernel` writes the processed logits x (logits + bias, -inf where not
    allowed) to an fp32 workspace.
 2. `_sample_kernel`, per block of rows: max and argmax of x; the top-k cut, the k-th largest
-   y = (x - max x) / temperature (at most 0: no temperature overflows it), found by searching
-   y's order-preserving int32 keys (8 keys tested per pass over the row; exact, ties at the cut
+   y = (x - max x) / temperature (at most 0: no temperature overflows it), below which min-p's
+   cut (log min_p) keeps nothing, found by searching y's order-preserving int32 keys (8 keys tested per pass over the row; exact, ties at the cut
    all kept); the top-p cut the same way over the kept probability mass; a Gumbel-max draw,
    argmax(y + g) over the kept tokens, which is an exact draw from softmax(y) restricted to
    them; the top log-probs by repeated max.
@@ -155,10 +155,10 @@ def _search_cut(row_base, row_valid, divisor, x_max, vocab_size, lo, hi, count_l
 
 
 @triton.jit
-def _sample_kernel(x_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr,
+def _sample_kernel(x_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr, log_min_p_ptr,
                    token_ids_ptr, topk_ids_ptr, topk_logprobs_ptr,
                    num_rows, vocab_size, num_logprobs,
-                   BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+                   HAS_MIN_P: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, NUM_PIVOTS: tl.constexpr):
     """Program: BLOCK_B rows of the processed logits x [B, V] fp32 (see the module docstring)."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     row_valid = rows < num_rows
@@ -183,11 +183,23 @@ def _sample_kernel(x_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr,
     x_max = _packed_value(best)
     token = _packed_token(best)
 
-    # Top-k, then top-p among the top-k: each a cut key, tokens with key >= cut are kept.
+    # Min-p, top-k among what it keeps, then top-p among those: each a cut key, tokens with
+    # key >= cut are kept.
     cut = tl.full([BLOCK_B], -(2**31), tl.int64)  # keeps everything
     cut_count = tl.zeros([BLOCK_B], tl.int32) + vocab_size
     above_max = tl.full([BLOCK_B], 1, tl.int64)  # y <= 0 (`_scaled`): no key reaches 1, the key of y = 0 being 0
-    use_top_k = sampled & (top_k > 0) & (top_k < vocab_size)
+    if HAS_MIN_P:  # the cut is log(min_p) itself (-inf: off); its count takes a pass
+        log_min_p = tl.load(log_min_p_ptr + rows, mask=row_valid, other=float("-inf"))
+        use_min_p = sampled & (log_min_p > float("-inf"))
+        cut = tl.where(use_min_p, _order_key(log_min_p).to(tl.int64), cut)
+        kept = tl.zeros([BLOCK_B], tl.int32)
+        for start in range(0, vocab_size, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = row_valid[:, None] & (cols[None, :] < vocab_size)
+            y = _scaled(row_base, cols, mask, x_max, divisor)
+            kept += tl.sum((mask & (_order_key(y).to(tl.int64) >= cut[:, None])).to(tl.int32), 1)
+        cut_count = tl.where(use_min_p, kept, cut_count)
+    use_top_k = sampled & (top_k > 0) & (top_k < cut_count)
     if tl.max(use_top_k.to(tl.int32), 0) > 0:
         cut, cut_count = _search_cut(row_base, row_valid, divisor, x_max, vocab_size, cut, above_max, cut_count,
                                      top_k.to(tl.float32), use_top_k, False, BLOCK_B, BLOCK_V, NUM_PIVOTS)
@@ -250,7 +262,8 @@ def _sample_kernel(x_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr,
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            seeds: torch.Tensor, bias_ids: torch.Tensor | None = None, bias_values: torch.Tensor | None = None,
-           allowed: torch.Tensor | None = None, num_logprobs: int = 0) -> SamplingOutput:
+           allowed: torch.Tensor | None = None, num_logprobs: int = 0,
+           log_min_p: torch.Tensor | None = None) -> SamplingOutput:
     """Process and sample every row of `logits` in one batched pass.
 
     logits `[B, V]` fp32, fp16 or bf16 (last dim contiguous). Per row, all on logits' device:
@@ -262,7 +275,11 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     int32 bitmask `[B, ceil(V / 32)]` (bit j % 32 of word j // 32 allows token j); a row that
     allows everything passes all True / all bits set.
 
-    Order: bias, allowed mask, then greedy or (divide by temperature, top-k, top-p, draw). A
+    log_min_p `[B]` float32: min-p's cut, log(min_p) (-inf, or None for every row: off): a
+    sampled row keeps the tokens with (x - max x) / temperature >= it.
+
+    Order: bias, allowed mask, then greedy or (divide by temperature, min-p, top-k, top-p,
+    draw). A
     sampled row with non-finite processed logits (NaN, +inf, or all -inf) gets token -1.
     Top-k keeps every token tied with the k-th; top-p keeps the fewest most likely tokens
     whose mass reaches top_p, plus every token tied with the last of them.
@@ -273,7 +290,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
         raise ValueError(f"logits must be [B, V] with a contiguous last dim, got {tuple(logits.shape)}")
     num_rows, vocab_size = logits.shape
     device = logits.device
-    for name, tensor in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seeds", seeds)):
+    for name, tensor in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seeds", seeds),
+                         ("log_min_p", temperature if log_min_p is None else log_min_p)):
         if tensor.shape != (num_rows,):
             raise ValueError(f"{name} must be [{num_rows}], got {tuple(tensor.shape)}")
     if (bias_ids is None) != (bias_values is None):
@@ -311,10 +329,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     topk_ids = torch.empty(num_rows, num_logprobs, dtype=torch.int64, device=device)
     topk_logprobs = torch.empty(num_rows, num_logprobs, dtype=torch.float32, device=device)
     _sample_kernel[(triton.cdiv(num_rows, block_b),)](
-        processed, temperature, top_k, top_p, seeds, token_ids,
+        processed, temperature, top_k, top_p, seeds, temperature if log_min_p is None else log_min_p, token_ids,
         topk_ids if num_logprobs else token_ids, topk_logprobs if num_logprobs else processed,
-        num_rows, vocab_size, num_logprobs, BLOCK_B=block_b, BLOCK_V=block_v, NUM_PIVOTS=NUM_PIVOTS,
-        num_warps=SAMPLE_NUM_WARPS)
+        num_rows, vocab_size, num_logprobs, HAS_MIN_P=log_min_p is not None, BLOCK_B=block_b, BLOCK_V=block_v,
+        NUM_PIVOTS=NUM_PIVOTS, num_warps=SAMPLE_NUM_WARPS)
     if num_logprobs == 0:
         return SamplingOutput(token_ids)
     return SamplingOutput(token_ids, topk_ids, topk_logprobs)

@@ -54,13 +54,17 @@ def _want_of(want: Any, vocab_size: int, calls: SystemCalls) -> Want:
         return GreedyEach()
     record = want.payload
     allowed = record.allowed
-    if (allowed is not None and len(allowed) > vocab_size) or len(record.bias) > vocab_size:
-        raise InvalidArgument(f"sampling: allowed ids and biases are at most the vocabulary size {vocab_size}")
+    penalized = record.penalized
+    if (allowed is not None and len(allowed) > vocab_size) or len(record.bias) > vocab_size or len(penalized) > vocab_size:
+        raise InvalidArgument(f"sampling: allowed ids, biases and penalized ids are at most the vocabulary size "
+                              f"{vocab_size}")
     # Record fields keep their WIT (kebab-case) names.
     return Sample(temperature=record.temperature, top_p=getattr(record, "top-p"), top_k=getattr(record, "top-k"),
                   seed=record.seed, logit_bias=dict(record.bias),
                   allowed_tokens=None if allowed is None else tuple(allowed),
-                  grammar=calls.grammar_for_pred(record.grammar) if record.grammar else None)
+                  grammar=calls.grammar_for_pred(record.grammar) if record.grammar else None,
+                  min_p=getattr(record, "min-p"), repetition_penalty=getattr(record, "repetition-penalty"),
+                  penalized=tuple(penalized))
 
 
 class ComponentCalls:

@@ -16,7 +16,7 @@ import struct
 import time
 
 from ..engine.sampling import GREEDY, Distribution, GreedyEach, PredResult, Sample, TopK, Want
-from ..errors import ErrorCode, InvalidArgument, LimitExceeded, SymphonyError
+from ..errors import ErrorCode, InvalidArgument, LimitExceeded, SymphonyError, Unsupported
 from ..wasm.fiber import FastCall
 from ..wasm.guest_memory import GuestMemory
 from ..wasm.wit import core_signatures
@@ -24,6 +24,10 @@ from .syscalls import MAX_PATH_BYTES, MAX_TEXT_BYTES, MAX_TOKENS_PER_PRED, Syste
 
 KIND_DISTRIBUTION, KIND_TOPK, KIND_SAMPLE, KIND_GREEDY_EACH = 0, 1, 2, 3
 SAMPLING_RECORD = struct.Struct("<ffiiQiiiiii")  # sym_sampling: 48 bytes
+# Its `has_seed` field's bits: 1 the seed is used; 2 a SAMPLING_MORE record follows it (min-p,
+# the repetition penalty and the ids it applies to, log-probabilities). Any other bit is refused.
+SAMPLING_SEED, SAMPLING_MORE_FOLLOWS = 1, 2
+SAMPLING_MORE = struct.Struct("<ffiiii")  # sym_sampling_more: 24 bytes
 WASI_EBADF, WASI_EFAULT, WASI_EINVAL, WASI_EIO, WASI_ENOTSUP = 8, 21, 28, 29, 58
 # poll_oneoff's records: a subscription (userdata, tag, then a clock's id, timeout, precision and
 # flags, or an fd's number in the id's place) and an event (userdata, error, type, nbytes, flags).
@@ -234,9 +238,22 @@ class CoreCalls:
         return tokens, positions, want
 
     def _read_sampling(self, mem: GuestMemory, ptr: int) -> Sample:
-        (temperature, top_p, top_k, has_seed, seed, allowed_ptr, n_allowed, bias_ids_ptr, bias_values_ptr,
+        (temperature, top_p, top_k, flags, seed, allowed_ptr, n_allowed, bias_ids_ptr, bias_values_ptr,
          n_bias, grammar) = SAMPLING_RECORD.unpack(mem.read(ptr, SAMPLING_RECORD.size))
         vocab = self.calls.vocab_size()
+        if flags & ~(SAMPLING_SEED | SAMPLING_MORE_FOLLOWS):
+            raise InvalidArgument(f"sampling: has_seed takes bits 1 (seeded) and 2 (a sym_sampling_more follows), "
+                                  f"got {flags}")
+        more = {}
+        if flags & SAMPLING_MORE_FOLLOWS:
+            min_p, penalty, penalized_ptr, n_penalized, logprobs, top_logprobs = SAMPLING_MORE.unpack(
+                mem.read(ptr + SAMPLING_RECORD.size, SAMPLING_MORE.size))
+            if not 0 <= n_penalized <= vocab:
+                raise InvalidArgument(f"sampling: n_penalized is at most the vocabulary size {vocab}")
+            if logprobs or top_logprobs:
+                raise Unsupported("sampling: log-probabilities with a sampled token are not served yet")
+            more = dict(min_p=min_p, repetition_penalty=penalty,
+                        penalized=tuple(mem.read_i32s(penalized_ptr, n_penalized)) if n_penalized else ())
         if not 0 <= n_allowed <= vocab or not 0 <= n_bias <= vocab:
             raise InvalidArgument(f"sampling: n_allowed and n_bias are at most the vocabulary size {vocab}")
         allowed = tuple(mem.read_i32s(allowed_ptr, n_allowed)) if allowed_ptr else None
@@ -246,8 +263,8 @@ class CoreCalls:
             values = struct.unpack(f"<{n_bias}f", mem.read(bias_values_ptr, 4 * n_bias))
             bias = dict(zip(ids, values))
         return Sample(temperature=temperature, top_p=top_p, top_k=top_k,
-                      seed=seed if has_seed else None, logit_bias=bias, allowed_tokens=allowed,
-                      grammar=self.calls.grammar_for_pred(grammar) if grammar else None)
+                      seed=seed if flags & SAMPLING_SEED else None, logit_bias=bias, allowed_tokens=allowed,
+                      grammar=self.calls.grammar_for_pred(grammar) if grammar else None, **more)
 
     def pred_wait(self, mem: GuestMemory, ticket: int, out_ptr: int, cap: int) -> int | Wait:
         request = self.calls.tickets.get(ticket)

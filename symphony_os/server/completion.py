@@ -41,6 +41,8 @@ class CompletionRequest:
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
     min_tokens: int = 0
+    min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off; on the prompt's and the output's tokens (vLLM's)
 
     def encode(self) -> bytes:
         head = HEADER.pack(len(self.prompt_ids), self.max_tokens, self.n,
@@ -49,8 +51,8 @@ class CompletionRequest:
         stops = b"".join(struct.pack("<i", len(s.encode())) + s.encode() for s in self.stop)
         kind, source = self.grammar if self.grammar is not None else (-1, "")
         grammar = struct.pack("<ii", kind, len(source.encode())) + source.encode()
-        extras = struct.pack("<iiiffi", self.top_k, int(self.ignore_eos), self.min_tokens, self.presence_penalty,
-                             self.frequency_penalty, len(self.logit_bias))
+        extras = struct.pack("<iiiffffi", self.top_k, int(self.ignore_eos), self.min_tokens, self.presence_penalty,
+                             self.frequency_penalty, self.min_p, self.repetition_penalty, len(self.logit_bias))
         bias = b"".join(struct.pack("<if", token, value) for token, value in self.logit_bias)
         return head + struct.pack(f"<{len(self.prompt_ids)}i", *self.prompt_ids) + stops + grammar + extras + bias
 

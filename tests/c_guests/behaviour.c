@@ -72,6 +72,16 @@ int main(void) {
     int32_t gap[1] = {5000};
     report("pred-position-gap", __sym_pred(h, next, gap, 1, SYM_PRED_SAMPLE, 0, 0, 0));
     report("pred-after-errors", __sym_pred(h, next, 0, 1, SYM_PRED_SAMPLE, 0, 0, 0) >= 0);
+    /* min-p and a repetition penalty (a sym_sampling_more after the record) */
+    int penalized_kv = __sym_kv_create();
+    sym_sampling_ext penalty = {{.top_p = 1.0f, .has_seed = SYM_SAMPLING_MORE}, {0, 1e6f, &token, 1, 0, 0}};
+    int second = __sym_pred(penalized_kv, ids, 0, count, SYM_PRED_SAMPLE, (int32_t)(intptr_t)&penalty, 0, 0);
+    report("pred-penalized", second);
+    sym_sampling_ext min_p = {{.temperature = 1.0f, .top_p = 1.0f, .has_seed = SYM_SAMPLING_SEED | SYM_SAMPLING_MORE,
+                               .seed = 1}, {1.0f, 1.0f, 0, 0, 0, 0}};
+    report("pred-min-p-one", __sym_pred(penalized_kv, &second, 0, 1, SYM_PRED_SAMPLE, (int32_t)(intptr_t)&min_p, 0, 0));
+    penalty.more.repetition_penalty = 0;
+    report("pred-no-penalty", __sym_pred(penalized_kv, &second, 0, 1, SYM_PRED_SAMPLE, (int32_t)(intptr_t)&penalty, 0, 0));
 
     report_text("tool", text, __sym_tool("calculator", 10, "6*7", 3, text, sizeof text));
     report("tool-unknown", __sym_tool("format-disk", 11, "now", 3, text, sizeof text));

@@ -64,6 +64,12 @@ def main(args: list[str]) -> int:
     report("pred-position-gap", outcome(lambda: symphony._check(symphony.inference.pred, kv.handle, [token], [5000],
                                                                symphony.Greedy().want()).value))
     report("pred-after-errors", int(kv.next_token([token]) >= 0))
+    penalized = symphony.Kv.create()
+    second = penalized.next_token(ids, symphony.Sampler(temperature=0.0, repetition_penalty=1e6, penalized=[token]))
+    report("pred-penalized", second)
+    report("pred-min-p-one", penalized.next_token([second], symphony.Sampler(temperature=1.0, seed=1, min_p=1.0)))
+    report("pred-no-penalty", outcome(lambda: penalized.next_token([second], symphony.Sampler(
+        temperature=0.0, repetition_penalty=0.0, penalized=[token]))))
 
     report("tool", symphony.tool("calculator", "6*7"))
     report("tool-unknown", outcome(lambda: symphony.tool("format-disk", "now")))

@@ -8,10 +8,12 @@
  *   then { i32 grammar_kind (-1: none), i32 len; len bytes }: a grammar every token keeps to
  *   (grammar-new's kinds; each branch a fork of it), its text ending once the grammar must end;
  *   then { i32 top_k (0: off), flags (bit 0: ignore EOS), min_tokens; f32 presence_penalty,
- *          frequency_penalty; i32 n_bias } and n_bias times { i32 id; f32 value }: logit biases,
- *   to which each branch adds its own penalties (presence: once a token occurred in the branch,
- *   frequency: for each time) and, before min_tokens, an EOS bias of -FLT_MAX: OpenAI's
- *   penalties as logit biases the program computes, applied on the host with the draw
+ *          frequency_penalty, min_p (0: off), repetition_penalty (1: off); i32 n_bias } and
+ *   n_bias times { i32 id; f32 value }: logit biases, to which each branch adds its own
+ *   penalties (presence: once a token occurred in the branch, frequency: for each time) and,
+ *   before min_tokens, an EOS bias of -FLT_MAX: OpenAI's penalties as logit biases the program
+ *   computes, applied on the host with the draw. min-p and the repetition penalty (vLLM's: on
+ *   the tokens of the prompt and of the branch so far) go to the host in a sym_sampling_more.
  * Output, one message per event (i32 words):
  *   FRAME_PROMPT  { tag, n_prompt, cached }          prompt tokens and how many came from the cache
  *   FRAME_TOKEN   { tag, branch, token, f32 logprob, k, i32 ids[k], f32 logprobs[k] }
@@ -64,7 +66,7 @@ static int stop_lens[MAX_STOPS];
 static int32_t grammar_kind = -1, grammar_len;
 static const char *grammar_source;
 static int32_t top_k, ignore_eos, min_tokens, n_bias;
-static float presence_penalty, frequency_penalty;
+static float presence_penalty, frequency_penalty, min_p, repetition_penalty;
 static const char *bias_entries;  /* n_bias { i32 id; f32 value } */
 static float *dist;
 static int vocab;
@@ -230,7 +232,7 @@ static int read_request(char *buf) {
         return -1;  /* (log-probabilities are sampled here, without the grammar's mask) */
     grammar_source = buf + at;
     at += (size_t)grammar_len;
-    int32_t extras[6];
+    int32_t extras[8];
     if (at + sizeof extras > (size_t)got) return -1;
     memcpy(extras, buf + at, sizeof extras);
     at += sizeof extras;
@@ -239,11 +241,14 @@ static int read_request(char *buf) {
     min_tokens = extras[2];
     memcpy(&presence_penalty, &extras[3], 4);
     memcpy(&frequency_penalty, &extras[4], 4);
-    n_bias = extras[5];
+    memcpy(&min_p, &extras[5], 4);
+    memcpy(&repetition_penalty, &extras[6], 4);
+    n_bias = extras[7];
     if (top_k < 0 || min_tokens < 0 || n_bias < 0 || n_bias > (1 << 18) || at + 8 * (size_t)n_bias > (size_t)got)
         return -1;
     bias_entries = buf + at;
-    if (req.logprobs >= 0 && (top_k || min_tokens || n_bias || presence_penalty != 0 || frequency_penalty != 0))
+    if (req.logprobs >= 0 && (top_k || min_tokens || n_bias || presence_penalty != 0 || frequency_penalty != 0
+                              || min_p != 0 || repetition_penalty != 1))
         return -1;  /* (log-probabilities are sampled here, from the distribution as it is) */
     return 0;
 }
@@ -296,6 +301,19 @@ static int bias(int b, const int32_t *ids, int len, int32_t *out_ids, float *out
     return n;
 }
 
+/* The tokens a branch's repetition penalty applies to: the prompt's and the branch's own, each
+ * once (vLLM's). */
+static int32_t *penalized[MAX_BRANCHES];
+static int n_penalized[MAX_BRANCHES];
+static uint8_t *penalized_seen[MAX_BRANCHES];
+
+static void penalize(int b, int32_t token) {
+    if (token >= 0 && token < vocab && !penalized_seen[b][token]) {
+        penalized_seen[b][token] = 1;
+        penalized[b][n_penalized[b]++] = token;
+    }
+}
+
 int main(void) {
     static char buf[MAX_REQUEST];
     if (read_request(buf) < 0) {
@@ -331,6 +349,16 @@ int main(void) {
         if (!scratch || !touched || !bias_ids || !bias_values || !counts) return out_of_memory();
         for (int b = 0; b < req.n; b++)
             if (!(counts[b] = calloc((size_t)vocab, sizeof(int32_t)))) return out_of_memory();
+    }
+    int more = min_p != 0 || repetition_penalty != 1;  /* a sym_sampling_more goes with each draw */
+    if (repetition_penalty != 1) {
+        if (vocab <= 0 || vocab > (1 << 18)) return failed("vocab_size", vocab < 0 ? vocab : -1);
+        for (int b = 0; b < req.n; b++) {
+            penalized[b] = malloc(sizeof(int32_t) * (size_t)vocab);
+            penalized_seen[b] = calloc((size_t)vocab, 1);
+            if (!penalized[b] || !penalized_seen[b]) return out_of_memory();
+            for (int i = 0; i < req.n_prompt; i++) penalize(b, prompt[i]);
+        }
     }
     int32_t grammars[MAX_BRANCHES] = {0};
     if (grammar_kind >= 0) {
@@ -378,9 +406,11 @@ int main(void) {
                 tickets[b] = sym_pred_submit(br[b].kv, feed[b], NULL, feed_len[b]);
             } else {
                 int biased = biases_wanted() ? bias(b, br[b].ids, br[b].len, bias_ids, bias_values) : 0;
-                sym_sampling s = {req.temperature, req.top_p, top_k, req.has_seed, seed, NULL, 0,
-                                  biased ? bias_ids : NULL, biased ? bias_values : NULL, biased, grammars[b]};
-                tickets[b] = sym_pred_submit_sample(br[b].kv, feed[b], NULL, feed_len[b], &s);
+                sym_sampling_ext s = {{req.temperature, req.top_p, top_k, req.has_seed | (more ? SYM_SAMPLING_MORE : 0),
+                                       seed, NULL, 0, biased ? bias_ids : NULL, biased ? bias_values : NULL, biased,
+                                       grammars[b]},
+                                      {min_p, repetition_penalty, penalized[b], n_penalized[b], 0, 0}};
+                tickets[b] = sym_pred_submit_sample(br[b].kv, feed[b], NULL, feed_len[b], &s.base);
             }
             live++;
         }
@@ -405,6 +435,7 @@ int main(void) {
                 continue;
             }
             if (counts) counts[b][token]++;
+            if (penalized[b]) penalize(b, token);
             br[b].ids[br[b].len++] = token;
             send_token(b, token);
             int stop_at = req.n_stop ? find_stop(&br[b]) : -1;

@@ -58,9 +58,8 @@ class OpenAIError(Exception):
 # `user` (an end-user id for the provider's abuse monitoring) is taken as anything: it asks
 # nothing of the answer.
 NEUTRAL_VALUES: dict[str, tuple] = {
-    "repetition_penalty": (None, 1), "best_of": (None, 1), "suffix": (None, ""),
+    "best_of": (None, 1), "suffix": (None, ""),
     "functions": (None, []), "function_call": (None, "none"),
-    "min_p": (None, 0),
     "store": (None, False), "modalities": (None, ["text"]), "service_tier": (None, "auto", "default"),
     "metadata": (None, {}), "prediction": (None,), "audio": (None,), "reasoning_effort": (None,),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
@@ -68,6 +67,7 @@ NEUTRAL_VALUES: dict[str, tuple] = {
 }
 ANY_VALUE = frozenset({"user"})
 MAX_LOGIT_BIAS = 1024
+MAX_REPETITION_PENALTY = 100.0  # (vLLM takes any > 0; past this a token is as good as banned already)
 MAX_PROMPTS = 16  # of one /v1/completions request (a process each)
 # `name` goes to the chat template with the message; `tool_calls` (an assistant's) and
 # `tool_call_id` (a tool's answer) too, or, for a template that does not show tools, as text.
@@ -107,12 +107,15 @@ class SamplingBody(BaseModel):
     # "schema": {...}, "strict": ...}}: the answer then keeps to the schema (a grammar, engine/grammar.py).
     response_format: dict | None = None
     # OpenAI's logit_bias ({token id: -100..100}) and penalties (-2..2, applied by the complete LIP
-    # as logit biases from each answer's own tokens), vLLM's top_k (-1 or 0: off), ignore_eos and
+    # as logit biases from each answer's own tokens), vLLM's top_k (-1 or 0: off), min_p (0: off),
+    # repetition_penalty (1: off; on the prompt's and the answer's tokens), ignore_eos and
     # min_tokens (EOS held back until then).
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = None
 
@@ -246,11 +249,13 @@ def _sampling(state: ServerState, body: SamplingBody, prompt_ids: list[int], max
 
 
 def _sampling_extras(body: SamplingBody, vocab: int, max_tokens: int, logprobs: int | None) -> dict:
-    """top_k, logit_bias, the penalties, ignore_eos and min_tokens, checked, as CompletionRequest
-    takes them."""
+    """top_k, min_p, logit_bias, the penalties, ignore_eos and min_tokens, checked, as
+    CompletionRequest takes them."""
     top_k = 0 if body.top_k in (None, -1) else body.top_k
     presence = body.presence_penalty or 0.0
     frequency = body.frequency_penalty or 0.0
+    min_p = body.min_p or 0.0
+    repetition = 1.0 if body.repetition_penalty is None else body.repetition_penalty
     min_tokens = body.min_tokens or 0
     bias: list[tuple[int, float]] = []
     for key, value in (body.logit_bias or {}).items():
@@ -266,14 +271,19 @@ def _sampling_extras(body: SamplingBody, vocab: int, max_tokens: int, logprobs: 
               (len(bias) <= MAX_LOGIT_BIAS, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens", "logit_bias"),
               (-2 <= presence <= 2, "presence_penalty must be in [-2, 2]", "presence_penalty"),
               (-2 <= frequency <= 2, "frequency_penalty must be in [-2, 2]", "frequency_penalty"),
+              (0 <= min_p <= 1, "min_p must be in [0, 1]", "min_p"),
+              (0 < repetition <= MAX_REPETITION_PENALTY and _as_float32(repetition) > 0,
+               f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}]", "repetition_penalty"),
               (0 <= min_tokens <= max_tokens, "min_tokens must be in [0, max_tokens]", "min_tokens")]
     for ok, message, param in checks:
         if not ok:
             raise OpenAIError(400, message, param=param)
     extras = dict(top_k=top_k, logit_bias=tuple(bias), presence_penalty=float(presence),
-                  frequency_penalty=float(frequency), ignore_eos=bool(body.ignore_eos), min_tokens=min_tokens)
+                  frequency_penalty=float(frequency), ignore_eos=bool(body.ignore_eos), min_tokens=min_tokens,
+                  min_p=float(min_p), repetition_penalty=float(repetition))
     if logprobs is not None:
-        asked = [name for name, value in extras.items() if value and name != "ignore_eos"]
+        asked = [name for name, value in extras.items() if name != "ignore_eos"
+                 and (value != 1.0 if name == "repetition_penalty" else bool(value))]
         if asked:
             raise OpenAIError(400, f"{asked[0]} with logprobs is not supported by this server", param=asked[0])
     return extras
