@@ -24,14 +24,19 @@ TEXT, BAD_IDS, GOOD_IDS, BAD_IOVEC = 1024, 1100, 1200, 1300
 RESULTS = 4096
 # Sampling records (core_abi.SAMPLING_RECORD, then SAMPLING_MORE when has_seed holds 2): a flag
 # no one defined; penalized ids out of bounds; more penalized ids than the vocabulary; a record
-# whose 24 more bytes would lie past the end of memory.
+# whose 24 more bytes would lie past the end of memory; log-probabilities that are neither on
+# nor off; too many top ones; two top ones (5 values, for a cap of 3).
 SAMPLING = struct.Struct("<ffiiQiiiiiiffiiii")
 BAD_FLAGS, WILD_PENALIZED, TOO_MANY_PENALIZED, MORE_PAST_THE_END = 1400, 1500, 1600, PAGE - 56
+ODD_LOGPROBS, TOO_MANY_TOP, TWO_TOP = 1700, 1800, 1900
 SAMPLING_RECORDS = {
     BAD_FLAGS: SAMPLING.pack(0, 1, 0, 4, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0),
     WILD_PENALIZED: SAMPLING.pack(0, 1, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 2, OOB, 10, 0, 0),
     TOO_MANY_PENALIZED: SAMPLING.pack(0, 1, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 2, GOOD_IDS, HUGE, 0, 0),
     MORE_PAST_THE_END: SAMPLING.pack(0, 1, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0)[:48],
+    ODD_LOGPROBS: SAMPLING.pack(0, 1, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 2, 0),
+    TOO_MANY_TOP: SAMPLING.pack(0, 1, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 1, 99),
+    TWO_TOP: SAMPLING.pack(0, 1, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 1, 2),
 }
 
 # (call, args, expected). "KV" is a handle the guest created, "STALE" one it closed,
@@ -100,6 +105,8 @@ CASES = [
     ("pred_submit", ["KV", GOOD_IDS, 0, 1, 2, WILD_PENALIZED], E.BAD_POINTER),
     ("pred_submit", ["KV", GOOD_IDS, 0, 1, 2, TOO_MANY_PENALIZED], E.INVALID_ARGUMENT),
     ("pred_submit", ["KV", GOOD_IDS, 0, 1, 2, MORE_PAST_THE_END], E.BAD_POINTER),
+    ("pred_submit", ["KV", GOOD_IDS, 0, 1, 2, ODD_LOGPROBS], E.INVALID_ARGUMENT),
+    ("pred_submit", ["KV", GOOD_IDS, 0, 1, 2, TOO_MANY_TOP], E.INVALID_ARGUMENT),
     ("pred_wait", [999, 0, 0], E.BAD_HANDLE), ("pred_wait", [NEG, 0, 0], E.BAD_HANDLE),
     ("pred_wait", ["TICKET", OOB, 1000], E.BAD_POINTER),  # the distribution does not fit there
     ("pred_wait", ["TICKET", RESULTS + 1024, 3], E.BUFFER_TOO_SMALL),
@@ -112,6 +119,7 @@ CASES = [
     ("pred", ["KV", OOB, 0, 1000, 2, 0, 0, 0], E.BAD_POINTER), ("pred", ["KV", GOOD_IDS, 0, NEG, 2, 0, 0, 0], E.INVALID_ARGUMENT),
     ("pred", ["KV", GOOD_IDS, 0, 1, 9, 0, 0, 0], E.INVALID_ARGUMENT),
     ("pred", ["KV", GOOD_IDS, 0, 1, 0, 0, RESULTS + 1024, 3], E.BUFFER_TOO_SMALL),  # the distribution
+    ("pred", ["KV", GOOD_IDS, 0, 1, 2, TWO_TOP, RESULTS + 1024, 3], E.BUFFER_TOO_SMALL),  # the log-probabilities
     ("pred", ["KV", GOOD_IDS, 0, 1, 0, 0, OOB, HUGE], E.BAD_POINTER), ("pred", ["KV", GOOD_IDS, 0, 1, 2, 0, 0, NEG], E.INVALID_ARGUMENT),
 ]
 

@@ -75,6 +75,26 @@ def test_a_repetition_penalty_and_min_p_give_the_same_tokens_on_both_paths():
     assert {batched[5].token, reference[5].token} <= kept
 
 
+def test_a_sampled_token_comes_with_the_models_log_probabilities_on_both_paths():
+    """Whatever the draw's options (a bias, a grammar-like mask, a penalty), the log-probabilities
+    are the model's own: log-softmax of the raw logits, the drawn token's and the top ones."""
+    logits = random_logits(4, seed=5)
+    wants = [Sample(logprobs=True, top_logprobs=3), Sample(logprobs=True, logit_bias={7: 100.0}),
+             Sample(temperature=0.9, seed=2, logprobs=True, top_logprobs=5, allowed_tokens=(3, 4, 5),
+                    repetition_penalty=1.5, penalized=(3,)),
+             Sample(top_logprobs=0)]
+    for results in both(logits, wants):
+        model = torch.log_softmax(logits, dim=-1)
+        assert results[1].token == 7 and results[2].token in (3, 4, 5)
+        for row in range(3):
+            assert results[row].logprob == pytest.approx(float(model[row, results[row].token]), abs=1e-5)
+        for row, k in ((0, 3), (2, 5)):
+            values, ids = model[row].topk(k)
+            assert results[row].top_ids == ids.tolist()
+            assert results[row].top_logprobs == pytest.approx(values.tolist(), abs=1e-5)
+        assert results[1].top_ids is None and results[3].logprob is None
+
+
 def test_homogeneous_greedy_batch_matches_argmax():
     logits = random_logits(64, seed=1)
     _, batched = both(logits, [Sample()] * 64)

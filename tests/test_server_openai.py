@@ -95,7 +95,6 @@ def test_a_streamed_request_is_measured_in_vllms_metrics(served, api):
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
      "response_format"),
     (dict(response_format={"type": "yaml"}), "response_format"),
-    (dict(response_format={"type": "json_object"}, logprobs=True), "logprobs"),
     (dict(tools=[{"type": "function", "function": {"name": "no spaces", "parameters": {"type": "object"}}}]),
      "tools.0"),
     (dict(tool_choice="required"), "tool_choice"),
@@ -106,12 +105,9 @@ def test_a_streamed_request_is_measured_in_vllms_metrics(served, api):
     (dict(logit_bias={"5": 1000}), "logit_bias"),
     (dict(logit_bias={"not a token": 1}), "logit_bias"),
     (dict(presence_penalty=2.5), "presence_penalty"),
-    (dict(frequency_penalty=-1.0, logprobs=True), "frequency_penalty"),
     (dict(extra_body={"top_k": -5}), "top_k"),
     (dict(extra_body={"min_p": 1.5}), "min_p"),
     (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
-    (dict(extra_body={"repetition_penalty": 1.2}, logprobs=True), "repetition_penalty"),
-    (dict(extra_body={"min_p": 0.1}, logprobs=True), "min_p"),
     (dict(extra_body={"guided_json": {"type": "object"}}), "guided_json"),
     (dict(extra_body={"min_tokens": 99}), "min_tokens"),
     (dict(extra_body={"no_such_parameter": 1}), "no_such_parameter"),
@@ -272,21 +268,27 @@ def test_a_request_body_over_4_mib_is_refused_before_parsing(served):
     assert response.status_code == 413 and "request body" in response.json()["error"]["message"]
 
 
-def test_sampling_with_logprobs_follows_the_hosts_semantics(api):
-    """With logprobs the built-in LIP samples in the guest. Its weights underflowed at a small
-    temperature (it drew the least likely token it kept), and it cut top-p before the temperature;
-    the host tempers first."""
-    def first_tokens(**options):
-        return [api.completions.create(model="stories260K", prompt="Lily and Tom went to the", max_tokens=1,
-                                       seed=seed, **options).choices[0].text for seed in range(16)]
-
-    greedy = api.completions.create(model="stories260K", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
-    cold = api.completions.create(model="stories260K", prompt=PROMPT, max_tokens=12, temperature=0.0005, logprobs=0)
-    assert cold.choices[0].text == greedy
-    # Tempered by 0.7, the most likely token holds over 80% of the mass: top_p 0.8 keeps it alone.
-    on_host = first_tokens(temperature=0.7, top_p=0.8)
-    assert len(set(on_host)) == 1
-    assert first_tokens(temperature=0.7, top_p=0.8, logprobs=0) == on_host
+def test_logprobs_come_with_every_sampling_option_and_change_no_draw(served, api):
+    """Log-probabilities are the model's own, reported beside the draw: asking for them changes
+    no token (a seeded draw included), and they come with a logit bias, a penalty, min-p and a
+    grammar (response_format), which act on the draw alone."""
+    base = dict(model="stories260K", prompt=PROMPT, max_tokens=10)
+    for seed in range(3):
+        plain = api.completions.create(**base, temperature=0.9, seed=seed).choices[0].text
+        scored = api.completions.create(**base, temperature=0.9, seed=seed, logprobs=2).choices[0]
+        assert scored.text == plain and len(scored.logprobs.token_logprobs) == 10
+    forced = served.engine.tokenize(" dragon", add_special_tokens=False)[-1]
+    biased = api.completions.create(**base | dict(max_tokens=3), temperature=0, logprobs=1,
+                                    logit_bias={str(forced): 100}, extra_body={"repetition_penalty": 1.3, "min_p": 0.05})
+    lp = biased.choices[0].logprobs
+    # the bias forced the token; its log-probability is the model's, far below the top one's
+    assert len(lp.token_logprobs) == 3 and all(chosen < max(top.values()) for chosen, top in
+                                                 zip(lp.token_logprobs, lp.top_logprobs))
+    shaped = api.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Hello"}],
+                                         max_tokens=30, temperature=0, logprobs=True, top_logprobs=2,
+                                         response_format={"type": "json_object"})
+    content = shaped.choices[0].message.content
+    assert content.startswith("{") and "".join(t.token for t in shaped.choices[0].logprobs.content) == content
 
 
 def _post_raw(served, path: str, body: str) -> httpx.Response:

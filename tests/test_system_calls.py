@@ -35,6 +35,8 @@ def expected_table(engine: Engine) -> dict[str, str]:
     penalized = kv.create()
     second = engine.pred(kv, penalized, ids, want=Sample(repetition_penalty=1e6, penalized=(greedy,))).token
     after = engine.pred(kv, penalized, [second]).token
+    scored = engine.pred(kv, penalized, [second], want=Sample(logprobs=True, top_logprobs=2))  # (the 2nd `second`)
+    waited = engine.pred(kv, penalized, [second], want=Sample(logprobs=True, top_logprobs=2))
     kv.close_all()
     table = {
         "vocab-size": engine.loaded.config.vocab_size, "bos-id": engine.loaded.bos_token_id,
@@ -53,6 +55,9 @@ def expected_table(engine: Engine) -> dict[str, str]:
         # min-p and the repetition penalty: the best token penalized leaves the second; a min-p
         # of 1 keeps the best alone, whatever the temperature; a penalty of 0 is refused
         "pred-penalized": second, "pred-min-p-one": after, "pred-no-penalty": E.INVALID_ARGUMENT,
+        "pred-logprobs": scored.token, "pred-logprob-milli": round(scored.logprob * 1000),
+        "pred-top-logprob-ids": scored.top_ids[0] * 100000 + scored.top_ids[1],
+        "pred-wait-logprobs": waited.token, "pred-wait-logprob-milli": round(waited.logprob * 1000),
         "tool": "42", "tool-unknown": E.UNSUPPORTED, "recv": "ping", "recv-closed": E.CLOSED,
     }
     return {label: str(int(value) if isinstance(value, E) else value) for label, value in table.items()}

@@ -71,16 +71,20 @@ typedef struct sym_sampling {
 
 _Static_assert(sizeof(sym_sampling) == 48, "sym_sampling is 48 bytes");
 
-/* What may follow a sym_sampling (its has_seed holding SYM_SAMPLING_MORE): min-p and a
- * repetition penalty (vLLM's: a penalized token's positive logit is divided by it, a negative
- * one multiplied; list the prompt's and the output's tokens). 24 bytes, part of the ABI. */
+/* What may follow a sym_sampling (its has_seed holding SYM_SAMPLING_MORE): min-p, a repetition
+ * penalty (vLLM's: a penalized token's positive logit is divided by it, a negative one
+ * multiplied; list the prompt's and the output's tokens) and log-probabilities: with logprobs 1,
+ * the pred's wait (or sym_pred's buffer) also gets the drawn token's log-probability (f32), then
+ * top_logprobs ids (i32) and their log-probabilities (f32), most likely first: the model's own
+ * (log-softmax of its logits, before temperature, penalty, bias or masks). Its cap counts
+ * 1 + 2 * top_logprobs values. 24 bytes, part of the ABI. */
 typedef struct sym_sampling_more {
     float min_p;                /* 0 (off), or keep the tokens at least min_p times as likely as the best */
     float repetition_penalty;   /* 1 (off), or any value > 0 */
     const int32_t *penalized;   /* the ids it applies to (repeats allowed) */
     int32_t n_penalized;
-    int32_t logprobs;           /* 0 (none is served yet) */
-    int32_t top_logprobs;       /* 0 */
+    int32_t logprobs;           /* 0 or 1 */
+    int32_t top_logprobs;       /* 0..32, with logprobs */
 } sym_sampling_more;
 
 _Static_assert(sizeof(sym_sampling_more) == 24, "sym_sampling_more is 24 bytes");

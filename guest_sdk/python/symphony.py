@@ -23,9 +23,9 @@ from componentize_py_types import Err
 from wit_world import WitWorld as _World
 from wit_world.imports import grammars, inference, io, kv as _kv, model, tokens, tools
 from wit_world.imports.errors import ErrorCode
-from wit_world.imports.inference import Prediction_Distribution, Sampling
+from wit_world.imports.inference import Prediction_Distribution, Sampled, Sampling
 
-__all__ = ["SymphonyError", "Distribution", "Kv", "Ticket", "Greedy", "Sampler", "TopK", "Grammar", "program",
+__all__ = ["SymphonyError", "Distribution", "Kv", "Ticket", "Greedy", "Sampler", "Sampled", "TopK", "Grammar", "program",
            "vocab_size", "eos_ids", "bos_id", "model_name", "tokenize", "detokenize", "send", "recv",
            "tool", "generate", "TextStream"]
 
@@ -156,7 +156,7 @@ class Greedy:
     """The most likely token, chosen on the host."""
 
     def want(self) -> inference.Want:
-        return inference.Want_Sample(Sampling(0.0, 1.0, 0, None, None, [], 0, 0.0, 1.0, []))
+        return inference.Want_Sample(Sampling(0.0, 1.0, 0, None, None, [], 0, 0.0, 1.0, [], False, 0))
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,8 @@ class Sampler:
     """A token sampled on the host: temperature (0: greedy), top-p, top-k (0: off), seed,
     an allowed-token list and a `Grammar` (constrained decoding), logit biases {id: value},
     min-p (0: off) and a repetition penalty (1: off) on the `penalized` ids (vLLM's: list the
-    prompt's and the output's tokens)."""
+    prompt's and the output's tokens). With `logprobs`, the answer is a Sampled: the token, its
+    log-probability and the `top_logprobs` most likely (id, log-probability), the model's own."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -176,12 +177,15 @@ class Sampler:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     penalized: list[int] = field(default_factory=list)
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def want(self) -> inference.Want:
         return inference.Want_Sample(Sampling(self.temperature, self.top_p, self.top_k, self.seed, self.allowed,
                                               list(self.bias.items()),
                                               0 if self.grammar is None else self.grammar.handle,
-                                              self.min_p, self.repetition_penalty, list(self.penalized)))
+                                              self.min_p, self.repetition_penalty, list(self.penalized),
+                                              self.logprobs, self.top_logprobs))
 
 
 @dataclass(frozen=True)
@@ -316,7 +320,8 @@ class Kv:
                                    inference.Want_Distribution()).value)
 
     def next_token(self, ids: list[int], sampler=Greedy()) -> int:
-        """Append `ids`; one token chosen on the host by `sampler` (one host call)."""
+        """Append `ids`; one token chosen on the host by `sampler` (one host call). With a
+        Sampler(logprobs=True): a Sampled (`token`, `logprob`, `top`: [(id, logprob)])."""
         return _check(inference.pred, self.handle, list(ids), None, sampler.want()).value
 
     def top_k(self, ids: list[int], k: int) -> list[tuple[int, float]]:

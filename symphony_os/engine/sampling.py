@@ -27,6 +27,7 @@ from .grammar import apply_bitmask
 # TopK rows up to this k take the sampling kernel's top log-probs (one pass over the row per
 # rank); beyond it, torch.topk's radix select costs less.
 KERNEL_MAX_TOP_K = 32
+MAX_TOP_LOGPROBS = 32  # of a sampled token (Sample.top_logprobs): one kernel pass each
 
 FLOAT32_MAX = torch.finfo(torch.float32).max  # a logit bias beyond it is inf in the batch's float32 logits
 # The smallest temperature used: a smaller positive one is 0 in float32 (the device path ran it
@@ -72,7 +73,10 @@ class Sample:
     then moves on. `repetition_penalty` (vLLM's and transformers') divides the positive logits
     of the `penalized` ids by it and multiplies their negative ones (a caller lists the tokens
     of its prompt and output there); `min_p` keeps, after the temperature, only the tokens at
-    least min_p times as likely as the most likely one.
+    least min_p times as likely as the most likely one. `logprobs` also answers the token's
+    log-probability, and `top_logprobs` the most likely tokens' (ids and log-probabilities, most
+    likely first, ties to the lower id): the model's own, its log-softmax at temperature 1
+    before any of the above (vLLM's default).
 
     The order: repetition penalty, logit bias, the allowed tokens and the grammar, then greedy
     (argmax), or temperature, min-p, top-k and top-p among those left, and the draw.
@@ -90,6 +94,8 @@ class Sample:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     penalized: tuple[int, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,7 @@ class PredResult:
     """
 
     token: int | None = None
+    logprob: float | None = None  # a Sample's with logprobs: its token's
     tokens: list[int] | None = None  # GreedyEach: one per appended token
     top_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
@@ -189,6 +196,8 @@ def _validate_sample(want: Sample, vocab_size: int) -> None:
         raise InvalidArgument(f"repetition_penalty must be finite and > 0, got {want.repetition_penalty}")
     if want.penalized and any(not isinstance(i, int) or not 0 <= i < vocab_size for i in want.penalized):
         raise InvalidArgument(f"penalized token ids must be in [0, {vocab_size})")
+    if not 0 <= want.top_logprobs <= min(vocab_size, MAX_TOP_LOGPROBS) or (want.top_logprobs and not want.logprobs):
+        raise InvalidArgument(f"top_logprobs must be in [0, {min(vocab_size, MAX_TOP_LOGPROBS)}], with logprobs")
     if not want.logit_bias and want.allowed_tokens is None:  # (most: no ids to check)
         return
     if not all(abs(value) <= FLOAT32_MAX for value in want.logit_bias.values()):  # (NaN fails too)
@@ -314,8 +323,8 @@ def process_logits_reference(logits: torch.Tensor, wants: list[Want], default_ge
                     log_probs = torch.log_softmax(logits, dim=-1)
                 values, ids = top_k_of_row(log_probs[row], want.k)
                 results.append(PredResult(top_ids=ids.tolist(), top_logprobs=values.tolist()))
-            elif (want.temperature == 0 and not want.logit_bias and want.allowed_tokens is None
-                  and want.grammar is None and not want.penalized):
+            elif want is GREEDY or (want.temperature == 0 and not want.logit_bias and want.allowed_tokens is None
+                                    and want.grammar is None and not want.penalized and not want.logprobs):
                 if greedy is None:  # one argmax over the batch, one transfer
                     greedy = _argmax_rows(logits)
                 results.append(PredResult(token=greedy[row]))
@@ -326,7 +335,14 @@ def process_logits_reference(logits: torch.Tensor, wants: list[Want], default_ge
                 token = _sample_row(logits[row], want, generator, (grammar_masks or {}).get(row))
                 if want.grammar is not None:
                     want.grammar.consume(token)
-                results.append(PredResult(token=token))
+                result = PredResult(token=token)
+                if want.logprobs:
+                    model = torch.log_softmax(logits[row].float(), dim=-1)
+                    result.logprob = float(model[token])
+                    if want.top_logprobs:
+                        values, ids = top_k_of_row(model, want.top_logprobs)
+                        result.top_ids, result.top_logprobs = ids.tolist(), values.tolist()
+                results.append(result)
         except Exception as error:  # one request's failure is its own: the batch's other rows go on
             # Kept without its frames, which hold the batch's logits until the request is answered.
             error.add_note("".join(traceback.format_tb(error.__traceback__)).rstrip())
@@ -471,6 +487,16 @@ def process_logits_batched(logits: torch.Tensor, wants: list[Want], default_gene
     max_k = max((wants[r].k for r in rows_of[TopK]), default=0)
     if max_k:
         parts.extend(_top_k_rows(_rows(logits, rows_of[TopK]), max_k))
+    # The Sample rows that asked for log-probabilities: their model's (the raw logits'), the drawn
+    # token's picked on the device from the kernel's tokens, and the top ones by the kernel too.
+    scored = [i for i, row in enumerate(rows_of[Sample]) if wants[row].logprobs]
+    max_top = max((wants[rows_of[Sample][i]].top_logprobs for i in scored), default=0)
+    if scored:
+        raw = _rows(logits, [rows_of[Sample][i] for i in scored])
+        drawn = parts[0].index_select(0, _upload(scored, torch.int64, logits.device)).clamp(min=0)
+        parts.append(torch.log_softmax(raw.float(), dim=-1).gather(1, drawn[:, None]))
+        if max_top:
+            parts.extend(_top_k_rows(raw, max_top))
     if not parts:
         return results
     host = torch.cat([part.reshape(-1).double() for part in parts]).cpu().tolist()
@@ -493,4 +519,13 @@ def process_logits_batched(logits: torch.Tensor, wants: list[Want], default_gene
         k = wants[row].k
         results[row].top_ids = [int(t) for t in host[ids_at + i * max_k:ids_at + i * max_k + k]]
         results[row].top_logprobs = host[logprobs_at + i * max_k:logprobs_at + i * max_k + k]
+    chosen_at = logprobs_at + len(rows_of[TopK]) * max_k
+    ids_at, logprobs_at = chosen_at + len(scored), chosen_at + len(scored) + len(scored) * max_top
+    for i, position in enumerate(scored):
+        result, k = results[rows_of[Sample][position]], wants[rows_of[Sample][position]].top_logprobs
+        if result.error is None:
+            result.logprob = host[chosen_at + i]
+            if k:
+                result.top_ids = [int(t) for t in host[ids_at + i * max_top:ids_at + i * max_top + k]]
+                result.top_logprobs = host[logprobs_at + i * max_top:logprobs_at + i * max_top + k]
     return results

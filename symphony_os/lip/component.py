@@ -64,7 +64,7 @@ def _want_of(want: Any, vocab_size: int, calls: SystemCalls) -> Want:
                   allowed_tokens=None if allowed is None else tuple(allowed),
                   grammar=calls.grammar_for_pred(record.grammar) if record.grammar else None,
                   min_p=getattr(record, "min-p"), repetition_penalty=getattr(record, "repetition-penalty"),
-                  penalized=tuple(penalized))
+                  penalized=tuple(penalized), logprobs=record.logprobs, top_logprobs=getattr(record, "top-logprobs"))
 
 
 class ComponentCalls:
@@ -175,6 +175,11 @@ class ComponentCalls:
             return wc.Variant("top-k", list(zip(result.top_ids, result.top_logprobs)))
         if isinstance(want, GreedyEach):
             return wc.Variant("tokens", list(result.tokens))
+        if want.logprobs:
+            sampled = wc.Record()
+            sampled.token, sampled.logprob = result.token, result.logprob
+            sampled.top = list(zip(result.top_ids or (), result.top_logprobs or ()))
+            return wc.Variant("sampled", sampled)
         return wc.Variant("token", result.token)
 
     # the distribution resource

@@ -16,7 +16,7 @@ import struct
 import time
 
 from ..engine.sampling import GREEDY, Distribution, GreedyEach, PredResult, Sample, TopK, Want
-from ..errors import ErrorCode, InvalidArgument, LimitExceeded, SymphonyError, Unsupported
+from ..errors import ErrorCode, InvalidArgument, LimitExceeded, SymphonyError
 from ..wasm.fiber import FastCall
 from ..wasm.guest_memory import GuestMemory
 from ..wasm.wit import core_signatures
@@ -250,10 +250,11 @@ class CoreCalls:
                 mem.read(ptr + SAMPLING_RECORD.size, SAMPLING_MORE.size))
             if not 0 <= n_penalized <= vocab:
                 raise InvalidArgument(f"sampling: n_penalized is at most the vocabulary size {vocab}")
-            if logprobs or top_logprobs:
-                raise Unsupported("sampling: log-probabilities with a sampled token are not served yet")
+            if logprobs not in (0, 1):
+                raise InvalidArgument(f"sampling: logprobs is 0 or 1, got {logprobs}")
             more = dict(min_p=min_p, repetition_penalty=penalty,
-                        penalized=tuple(mem.read_i32s(penalized_ptr, n_penalized)) if n_penalized else ())
+                        penalized=tuple(mem.read_i32s(penalized_ptr, n_penalized)) if n_penalized else (),
+                        logprobs=bool(logprobs), top_logprobs=top_logprobs)
         if not 0 <= n_allowed <= vocab or not 0 <= n_bias <= vocab:
             raise InvalidArgument(f"sampling: n_allowed and n_bias are at most the vocabulary size {vocab}")
         allowed = tuple(mem.read_i32s(allowed_ptr, n_allowed)) if allowed_ptr else None
@@ -273,7 +274,7 @@ class CoreCalls:
         outcome = self.calls.pred_wait(ticket, cap)
         want = request.want
         if isinstance(outcome, Wait):
-            outcome.encode = _sampled_token if isinstance(want, Sample) else \
+            outcome.encode = _sampled_token if isinstance(want, Sample) and not want.logprobs else \
                 lambda mem, result: self._write_answer(mem, result, want, out_ptr)
             return outcome
         return self._write_answer(mem, outcome, want, out_ptr)
@@ -291,7 +292,7 @@ class CoreCalls:
             want = _DISTRIBUTION_TAKEN_AT_ONCE
         outcome = self.calls.pred(kv, tokens, positions, want, cap)
         if isinstance(outcome, Wait):
-            outcome.encode = _sampled_token if kind == KIND_SAMPLE else \
+            outcome.encode = _sampled_token if kind == KIND_SAMPLE and not want.logprobs else \
                 lambda mem, result: self._write_answer(mem, result, want, out_ptr)
             return outcome
         return self._write_answer(mem, outcome, want, out_ptr)
@@ -300,6 +301,10 @@ class CoreCalls:
         """Write a pred's answer at out_ptr (its room was checked); returns the call's value:
         the sampled token, or the count of values written."""
         if isinstance(want, Sample):
+            if want.logprobs:  # its log-probability, then the top ones' ids and log-probabilities
+                k = want.top_logprobs
+                top_ids, top_logprobs = (result.top_ids, result.top_logprobs) if k else ((), ())
+                mem.write(out_ptr, struct.pack(f"<f{k}i{k}f", result.logprob, *top_ids, *top_logprobs))
             return result.token
         if isinstance(want, Distribution):
             vocab = result.vocab_size

@@ -438,10 +438,12 @@ class Process:
         """`pred_wait` on a ticket whose answer is a sampled token (core_abi.pred_wait_fast_shape:
         its buffer checked): answered now if its batch ran, else once it does, straight into
         the fiber's slot. The ticket ends as SystemCalls.pred_wait ends it (on an error too).
-        None (an unknown ticket, another kind of answer, the rate check due): the ordinary way."""
+        None (an unknown ticket, another kind of answer, log-probabilities to write, the rate
+        check due): the ordinary way."""
         ticket, calls, usage = args[0], self.syscalls, self.usage
         request = calls.tickets.get(ticket)
-        if request is None or request.want.__class__ is not Sample or usage.hostcalls + 1 >= usage.check_at:
+        if (request is None or request.want.__class__ is not Sample or request.want.logprobs
+                or usage.hostcalls + 1 >= usage.check_at):
             return None
         usage.hostcalls += 1
         future = request.future

@@ -56,14 +56,21 @@ class Wait(Pending):
 
 def values_in(want: Want, result: PredResult) -> int:
     """How many 32-bit values a pred's answer takes in a guest's buffer: the distribution, the
-    top-k ids and log-probs, the greedy tokens, or none (a sampled token is the return value)."""
+    top-k ids and log-probs, the greedy tokens, a sampled token's log-probability and top ones,
+    or none (a sampled token is the return value)."""
     if isinstance(want, Distribution):
         return result.vocab_size
     if isinstance(want, TopK):
         return 2 * len(result.top_ids)
     if isinstance(want, GreedyEach):
         return len(result.tokens)
-    return 0
+    return sampled_values(want)
+
+
+def sampled_values(want: Sample) -> int:
+    """The values a sampled token's log-probabilities take: its own, then the top ones' ids and
+    log-probabilities (none without `logprobs`)."""
+    return 1 + 2 * want.top_logprobs if want.logprobs else 0
 
 
 class SystemCalls:
@@ -287,7 +294,7 @@ class SystemCalls:
         except SymphonyError:
             del self.tickets[ticket]
             raise
-        if room is not None and not isinstance(request.want, Sample) and room < values_in(request.want, result):
+        if room is not None and room < values_in(request.want, result):
             raise BufferTooSmall(f"the answer takes {values_in(request.want, result)} values, cap is {room}")
         del self.tickets[ticket]
         return result
@@ -297,11 +304,12 @@ class SystemCalls:
         """pred_submit and pred_wait in one blocking call (the paper's `pred`), with no ticket.
         The answer's room is checked before anything is queued, so an error leaves nothing in
         flight (there is no ticket to wait with again)."""
-        if room is not None and (room < 0 or want.__class__ is not Sample):  # (a sampled token needs none)
+        if room is not None and (room < 0 or want.__class__ is not Sample or want.logprobs):  # (a token alone needs none)
             if room < 0:
                 raise InvalidArgument("cap must be >= 0")
             needed = (self.engine.loaded.config.vocab_size if isinstance(want, Distribution) else
-                      2 * want.k if isinstance(want, TopK) else len(tokens) if isinstance(want, GreedyEach) else 0)
+                      2 * want.k if isinstance(want, TopK) else len(tokens) if isinstance(want, GreedyEach) else
+                      sampled_values(want))
             if room < needed:
                 raise BufferTooSmall(f"this pred's answer takes {needed} values, cap is {room}")
         future = self._queue(kv, tokens, positions, want).future

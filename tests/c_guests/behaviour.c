@@ -1,6 +1,7 @@
 /* The system-call behaviour table (tests/test_system_calls.py), through the core-module ABI: the
  * same calls, in the same order, as tests/python_guests/behaviour.py makes through the component
  * ABI. Sends one line `label=value` per step: a call's result, or its (negative) error code. */
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -82,6 +83,17 @@ int main(void) {
     report("pred-min-p-one", __sym_pred(penalized_kv, &second, 0, 1, SYM_PRED_SAMPLE, (int32_t)(intptr_t)&min_p, 0, 0));
     penalty.more.repetition_penalty = 0;
     report("pred-no-penalty", __sym_pred(penalized_kv, &second, 0, 1, SYM_PRED_SAMPLE, (int32_t)(intptr_t)&penalty, 0, 0));
+    /* a sampled token with the model's log-probabilities: its own, then the top 2 ids and theirs */
+    sym_sampling_ext scored = {{.top_p = 1.0f, .has_seed = SYM_SAMPLING_MORE}, {0, 1.0f, 0, 0, 1, 2}};
+    struct { float logprob; int32_t ids[2]; float logprobs[2]; } answer;
+    report("pred-logprobs", __sym_pred(penalized_kv, &second, 0, 1, SYM_PRED_SAMPLE, (int32_t)(intptr_t)&scored,
+                                       &answer, 5));
+    report("pred-logprob-milli", (int)lroundf(answer.logprob * 1000));
+    report("pred-top-logprob-ids", answer.ids[0] * 100000 + answer.ids[1]);
+    int scored_ticket = __sym_pred_submit(penalized_kv, &second, 0, 1, SYM_PRED_SAMPLE, (int32_t)(intptr_t)&scored);
+    answer.logprob = 0;
+    report("pred-wait-logprobs", __sym_pred_wait(scored_ticket, &answer, 5));
+    report("pred-wait-logprob-milli", (int)lroundf(answer.logprob * 1000));
 
     report_text("tool", text, __sym_tool("calculator", 10, "6*7", 3, text, sizeof text));
     report("tool-unknown", __sym_tool("format-disk", 11, "now", 3, text, sizeof text));

@@ -70,6 +70,13 @@ def main(args: list[str]) -> int:
     report("pred-min-p-one", penalized.next_token([second], symphony.Sampler(temperature=1.0, seed=1, min_p=1.0)))
     report("pred-no-penalty", outcome(lambda: penalized.next_token([second], symphony.Sampler(
         temperature=0.0, repetition_penalty=0.0, penalized=[token]))))
+    scored = penalized.next_token([second], symphony.Sampler(temperature=0.0, logprobs=True, top_logprobs=2))
+    report("pred-logprobs", scored.token)
+    report("pred-logprob-milli", round(scored.logprob * 1000))
+    report("pred-top-logprob-ids", scored.top[0][0] * 100000 + scored.top[1][0])
+    waited = penalized.submit([second], symphony.Sampler(temperature=0.0, logprobs=True, top_logprobs=2)).wait()
+    report("pred-wait-logprobs", waited.token)
+    report("pred-wait-logprob-milli", round(waited.logprob * 1000))
 
     report("tool", symphony.tool("calculator", "6*7"))
     report("tool-unknown", outcome(lambda: symphony.tool("format-disk", "now")))

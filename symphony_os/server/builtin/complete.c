@@ -22,8 +22,8 @@
  * The prompt's KV starts from the longest cached prefix (kv_open_prefix); the prompt's whole
  * pages, and at the end the completion's, are offered back to the cache (kv_cache_prefix).
  * n > 1 forks the prompt once per branch and decodes all branches in the same batches.
- * Tokens are sampled on the host; when log-probabilities are asked for, the program takes the
- * full distribution and samples itself (same temperature / top-p semantics).
+ * Tokens are sampled on the host, with their log-probabilities when asked for (the model's
+ * own: before temperature, penalties, biases or a grammar's mask).
  * Exit codes: 0 done, 1 a host call failed, 2 malformed request, 3 a host call was refused by
  * a limit or quota (LIMIT_EXCEEDED; the server answers 403). */
 #include <float.h>
@@ -68,7 +68,6 @@ static const char *grammar_source;
 static int32_t top_k, ignore_eos, min_tokens, n_bias;
 static float presence_penalty, frequency_penalty, min_p, repetition_penalty;
 static const char *bias_entries;  /* n_bias { i32 id; f32 value } */
-static float *dist;
 static int vocab;
 /* The prompt's last token and its text: a branch's text is decoded after it and without it, so
    a first token keeps its leading space (decoded alone, a sentencepiece token loses it).
@@ -90,70 +89,18 @@ static int failed(const char *what, int code) {
     return code == SYM_ELIMIT ? EXIT_LIMIT : EXIT_FAILED;
 }
 
-static uint64_t splitmix(uint64_t *state) {
-    uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
+/* A drawn token's frame: with log-probabilities, the host's answer (the token's, then the top
+ * req.logprobs ids and theirs: the model's own, sampling.Sample.logprobs). */
+typedef struct {
+    float logprob;
+    int32_t top[2 * MAX_TOP];  /* k ids, then their k log-probabilities (f32), packed */
+} scored_answer;
 
-static int by_prob_desc(const void *a, const void *b) {
-    float pa = dist[*(const int32_t *)a], pb = dist[*(const int32_t *)b];
-    return pa < pb ? 1 : pa > pb ? -1 : *(const int32_t *)a - *(const int32_t *)b;
-}
-
-/* Sample from dist (a probability distribution) in the guest, with the host's semantics
- * (sampling._sample_row): the temperature first, then top-p over the tempered probabilities.
- * Weights are relative to the most likely token's (it weighs 1), so no temperature, however
- * small, underflows them all. */
-static int32_t sample_in_guest(uint64_t seed) {
-    int32_t best = 0;
-    for (int i = 1; i < vocab; i++) if (dist[i] > dist[best]) best = i;
-    if (req.temperature <= 0) return best;
-    static int32_t order[1 << 18];
-    static double weight[1 << 18];
-    for (int i = 0; i < vocab; i++) order[i] = i;
-    qsort(order, vocab, sizeof order[0], by_prob_desc);
-    double top = log((double)dist[best]), total = 0;
-    for (int i = 0; i < vocab; i++) {
-        weight[i] = dist[order[i]] > 0 ? exp((log((double)dist[order[i]]) - top) / req.temperature) : 0;
-        total += weight[i];
-    }
-    double kept = 0;
-    int n = 0;
-    for (; n < vocab; n++) { /* drop a token once those before it reach top_p (the first stays) */
-        if (n > 0 && kept >= req.top_p * total) break;
-        kept += weight[n];
-    }
-    uint64_t state = seed;
-    double r = (double)(splitmix(&state) >> 11) / 9007199254740992.0 * kept;
-    for (int i = 0; i < n; i++) {
-        r -= weight[i];
-        if (r < 0) return order[i];
-    }
-    return order[n - 1];
-}
-
-static void send_token(int b, int32_t token) {
+static void send_token(int b, int32_t token, const scored_answer *answer) {
     static int32_t frame[5 + 2 * MAX_TOP];
-    int k = 0;
-    float logprob = 0;
-    if (req.logprobs >= 0) {
-        logprob = logf(dist[token] > 0 ? dist[token] : 1e-45f);
-        k = req.logprobs;
-        /* the k most likely ids: k passes, each taking the best not yet taken */
-        for (int j = 0; j < k; j++) {
-            int32_t best = -1;
-            for (int i = 0; i < vocab; i++) {
-                int taken = 0;
-                for (int q = 0; q < j; q++) if (frame[5 + q] == i) { taken = 1; break; }
-                if (!taken && (best < 0 || dist[i] > dist[best])) best = i;
-            }
-            frame[5 + j] = best;
-            float lp = logf(dist[best] > 0 ? dist[best] : 1e-45f);
-            memcpy(&frame[5 + k + j], &lp, 4);
-        }
-    }
+    int k = req.logprobs >= 0 ? req.logprobs : 0;
+    float logprob = req.logprobs >= 0 ? answer->logprob : 0;
+    memcpy(&frame[5], answer->top, sizeof(int32_t) * 2 * (size_t)k);
     frame[0] = FRAME_TOKEN;
     frame[1] = b;
     frame[2] = token;
@@ -228,8 +175,7 @@ static int read_request(char *buf) {
     memcpy(&grammar_kind, buf + at, 4);
     memcpy(&grammar_len, buf + at + 4, 4);
     at += 8;
-    if (grammar_len < 0 || at + (size_t)grammar_len > (size_t)got || (grammar_kind >= 0 && req.logprobs >= 0))
-        return -1;  /* (log-probabilities are sampled here, without the grammar's mask) */
+    if (grammar_len < 0 || at + (size_t)grammar_len > (size_t)got) return -1;
     grammar_source = buf + at;
     at += (size_t)grammar_len;
     int32_t extras[8];
@@ -247,9 +193,6 @@ static int read_request(char *buf) {
     if (top_k < 0 || min_tokens < 0 || n_bias < 0 || n_bias > (1 << 18) || at + 8 * (size_t)n_bias > (size_t)got)
         return -1;
     bias_entries = buf + at;
-    if (req.logprobs >= 0 && (top_k || min_tokens || n_bias || presence_penalty != 0 || frequency_penalty != 0
-                              || min_p != 0 || repetition_penalty != 1))
-        return -1;  /* (log-probabilities are sampled here, from the distribution as it is) */
     return 0;
 }
 
@@ -322,11 +265,6 @@ int main(void) {
     }
     const int32_t *prompt = (const int32_t *)(buf + sizeof req);
     vocab = sym_vocab_size();
-    if (req.logprobs >= 0 && (vocab <= 0 || vocab > (1 << 18))) {
-        fprintf(stderr, "complete: cannot hold a distribution over %d tokens\n", vocab);
-        return EXIT_FAILED;
-    }
-    if (req.logprobs >= 0 && !(dist = malloc(sizeof(float) * vocab))) return out_of_memory();
     context_token = prompt[req.n_prompt - 1];
     int got = sym_detokenize(&context_token, 1, context_text, sizeof context_text - 1);
     if (got >= 0 && got < (int)sizeof context_text) context_len = got;
@@ -350,7 +288,9 @@ int main(void) {
         for (int b = 0; b < req.n; b++)
             if (!(counts[b] = calloc((size_t)vocab, sizeof(int32_t)))) return out_of_memory();
     }
-    int more = min_p != 0 || repetition_penalty != 1;  /* a sym_sampling_more goes with each draw */
+    /* a sym_sampling_more goes with each draw */
+    int more = min_p != 0 || repetition_penalty != 1 || req.logprobs >= 0;
+    static scored_answer answers[MAX_BRANCHES];
     if (repetition_penalty != 1) {
         if (vocab <= 0 || vocab > (1 << 18)) return failed("vocab_size", vocab < 0 ? vocab : -1);
         for (int b = 0; b < req.n; b++) {
@@ -402,32 +342,21 @@ int main(void) {
         for (int b = 0; b < req.n; b++) {
             if (br[b].done) continue;
             uint64_t seed = req.seed + (uint64_t)b * (uint64_t)req.max_tokens + (uint64_t)step;
-            if (req.logprobs >= 0) {
-                tickets[b] = sym_pred_submit(br[b].kv, feed[b], NULL, feed_len[b]);
-            } else {
-                int biased = biases_wanted() ? bias(b, br[b].ids, br[b].len, bias_ids, bias_values) : 0;
-                sym_sampling_ext s = {{req.temperature, req.top_p, top_k, req.has_seed | (more ? SYM_SAMPLING_MORE : 0),
-                                       seed, NULL, 0, biased ? bias_ids : NULL, biased ? bias_values : NULL, biased,
-                                       grammars[b]},
-                                      {min_p, repetition_penalty, penalized[b], n_penalized[b], 0, 0}};
-                tickets[b] = sym_pred_submit_sample(br[b].kv, feed[b], NULL, feed_len[b], &s.base);
-            }
+            int biased = biases_wanted() ? bias(b, br[b].ids, br[b].len, bias_ids, bias_values) : 0;
+            sym_sampling_ext s = {{req.temperature, req.top_p, top_k, req.has_seed | (more ? SYM_SAMPLING_MORE : 0),
+                                   seed, NULL, 0, biased ? bias_ids : NULL, biased ? bias_values : NULL, biased,
+                                   grammars[b]},
+                                  {min_p, repetition_penalty, penalized[b], n_penalized[b], req.logprobs >= 0,
+                                   req.logprobs >= 0 ? req.logprobs : 0}};
+            tickets[b] = sym_pred_submit_sample(br[b].kv, feed[b], NULL, feed_len[b], &s.base);
             live++;
         }
         if (!live) break;
         for (int b = 0; b < req.n; b++) {
             if (br[b].done) continue;
-            int32_t token;
-            if (req.logprobs >= 0) {
-                int got = sym_pred_wait(tickets[b], dist, vocab);
-                if (got < 0) return failed("pred", got);
-                uint64_t state = req.seed + (uint64_t)b * (uint64_t)req.max_tokens + (uint64_t)step;
-                if (!req.has_seed) getentropy(&state, sizeof state);
-                token = sample_in_guest(splitmix(&state));
-            } else {
-                token = sym_pred_wait_sample(tickets[b]);
-                if (token < 0) return failed("pred", token);
-            }
+            int32_t token = req.logprobs >= 0 ? __sym_pred_wait(tickets[b], &answers[b], 1 + 2 * req.logprobs)
+                                              : sym_pred_wait_sample(tickets[b]);
+            if (token < 0) return failed("pred", token);
             if (step == 0 && b == 0 && req.n == 1) sym_kv_cache_prefix(root);
             if (sym_is_eos(token) && !ignore_eos) {
                 br[b].done = 1;
@@ -437,7 +366,7 @@ int main(void) {
             if (counts) counts[b][token]++;
             if (penalized[b]) penalize(b, token);
             br[b].ids[br[b].len++] = token;
-            send_token(b, token);
+            send_token(b, token, &answers[b]);
             int stop_at = req.n_stop ? find_stop(&br[b]) : -1;
             if (stop_at == -2) return out_of_memory();
             if (stop_at >= 0) {

@@ -236,8 +236,8 @@ def _sampling(state: ServerState, body: SamplingBody, prompt_ids: list[int], max
     for ok, message, param in checks:
         if not ok:
             raise OpenAIError(400, message, param=param)
-    extras = _sampling_extras(body, vocab, max_tokens, logprobs)
-    grammar = _response_grammar(state, body.response_format, logprobs)
+    extras = _sampling_extras(body, vocab, max_tokens)
+    grammar = _response_grammar(state, body.response_format)
     if plan is not None:
         if grammar is not None:
             raise OpenAIError(400, "response_format with tools is not supported by this server", param="response_format")
@@ -248,7 +248,7 @@ def _sampling(state: ServerState, body: SamplingBody, prompt_ids: list[int], max
                              **extras)
 
 
-def _sampling_extras(body: SamplingBody, vocab: int, max_tokens: int, logprobs: int | None) -> dict:
+def _sampling_extras(body: SamplingBody, vocab: int, max_tokens: int) -> dict:
     """top_k, min_p, logit_bias, the penalties, ignore_eos and min_tokens, checked, as
     CompletionRequest takes them."""
     top_k = 0 if body.top_k in (None, -1) else body.top_k
@@ -278,18 +278,12 @@ def _sampling_extras(body: SamplingBody, vocab: int, max_tokens: int, logprobs: 
     for ok, message, param in checks:
         if not ok:
             raise OpenAIError(400, message, param=param)
-    extras = dict(top_k=top_k, logit_bias=tuple(bias), presence_penalty=float(presence),
-                  frequency_penalty=float(frequency), ignore_eos=bool(body.ignore_eos), min_tokens=min_tokens,
-                  min_p=float(min_p), repetition_penalty=float(repetition))
-    if logprobs is not None:
-        asked = [name for name, value in extras.items() if name != "ignore_eos"
-                 and (value != 1.0 if name == "repetition_penalty" else bool(value))]
-        if asked:
-            raise OpenAIError(400, f"{asked[0]} with logprobs is not supported by this server", param=asked[0])
-    return extras
+    return dict(top_k=top_k, logit_bias=tuple(bias), presence_penalty=float(presence),
+                frequency_penalty=float(frequency), ignore_eos=bool(body.ignore_eos), min_tokens=min_tokens,
+                min_p=float(min_p), repetition_penalty=float(repetition))
 
 
-def _response_grammar(state: ServerState, response_format: dict | None, logprobs: int | None) -> tuple[int, str] | None:
+def _response_grammar(state: ServerState, response_format: dict | None) -> tuple[int, str] | None:
     """The grammar (kind, source) a response_format asks for: None for text, a JSON schema
     (compact JSON, engine/grammar.py) for json_object (any object) and json_schema (its schema,
     always enforced: `strict` or not). Checked here, so that a bad schema is a 400 naming it."""
@@ -305,8 +299,6 @@ def _response_grammar(state: ServerState, response_format: dict | None, logprobs
             raise OpenAIError(400, "response_format.json_schema takes a `schema` object", param="response_format")
     else:
         raise OpenAIError(400, "response_format.type must be text, json_object or json_schema", param="response_format")
-    if logprobs is not None:
-        raise OpenAIError(400, "response_format with logprobs is not supported by this server", param="logprobs")
     return _checked_grammar(state, (GrammarKind.JSON_SCHEMA, json.dumps(schema)), "response_format")
 
 
