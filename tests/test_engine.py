@@ -7,7 +7,7 @@ import torch
 from symphony_os.engine import sampling
 from symphony_os.engine.loop import Engine
 from symphony_os.engine.model_runner import ARGMAX_ROWS
-from symphony_os.engine.sampling import Distribution, GreedyEach, Sample, TopK
+from symphony_os.engine.sampling import Distribution, GreedyEach, Sample, ScoreEach, TopK
 from symphony_os.errors import BadHandle, FileBusy, InvalidArgument, PoolExhausted, PositionError, ReadOnlyFile
 from symphony_os.kv.kvfs import OpenFlags
 
@@ -337,6 +337,30 @@ def test_greedy_each_shares_a_batch_with_every_other_kind(tiny_engine):
     assert torch.allclose(distribution.probs, alone[0].probs, atol=1e-5)
     assert top_k.top_ids == alone[1].top_ids and sample.token == alone[2].token
     kv.close_all()
+
+
+def test_score_each_is_each_prefixs_distribution_over_chunks_and_refuses_a_single_token(tiny_llama):
+    """ScoreEach: each appended token after the first, scored by the distribution after those
+    before it (as one token at a time would score it), the top k there; chunk boundaries change
+    nothing (a chunk's last row is scored against the next chunk's first token)."""
+    engine = Engine.from_path(tiny_llama, device="cpu", page_size=4, num_pages=64, token_budget=5)
+    kv = engine.session()
+    tokens = [5, 17, 3, 99, 42, 7, 7, 120, 11, 64, 2, 8]
+    scored = engine.pred(kv, kv.create(), tokens, want=ScoreEach(3))
+    one_by_one, expected, tops = kv.create(), [], []
+    for i, token in enumerate(tokens[:-1]):
+        logprobs = torch.log(engine.pred(kv, one_by_one, [token], want=Distribution()).probs)
+        expected.append(float(logprobs[tokens[i + 1]]))
+        tops.append(logprobs.topk(3).indices.tolist())
+    assert scored.scores == pytest.approx(expected, abs=1e-4)
+    assert scored.score_top_ids == tops and scored.token is None
+    assert all(values == sorted(values, reverse=True) for values in scored.score_top_logprobs)
+    with pytest.raises(InvalidArgument, match="at least 2"):
+        engine.submit(kv, kv.create(), [5], want=ScoreEach(1))
+    with pytest.raises(InvalidArgument, match="score-each"):
+        engine.submit(kv, kv.create(), [5, 6], want=ScoreEach(999))
+    kv.close_all()
+    assert engine.pool.stats().used == 0
 
 
 def test_greedy_each_over_chunked_prefill_and_many_argmax_slices(tiny_llama):

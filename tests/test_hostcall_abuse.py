@@ -120,6 +120,9 @@ CASES = [
     ("pred", ["KV", GOOD_IDS, 0, 1, 9, 0, 0, 0], E.INVALID_ARGUMENT),
     ("pred", ["KV", GOOD_IDS, 0, 1, 0, 0, RESULTS + 1024, 3], E.BUFFER_TOO_SMALL),  # the distribution
     ("pred", ["KV", GOOD_IDS, 0, 1, 2, TWO_TOP, RESULTS + 1024, 3], E.BUFFER_TOO_SMALL),  # the log-probabilities
+    ("pred", ["KV", GOOD_IDS, 0, 1, 4, 2, RESULTS + 1024, 99], E.INVALID_ARGUMENT),  # scoring 1 token
+    ("pred", ["KV", GOOD_IDS, 0, 2, 4, 2, RESULTS + 1024, 4], E.BUFFER_TOO_SMALL),  # 1 score and its top 2: 5 values
+    ("pred_submit", ["KV", GOOD_IDS, 0, 2, 4, 99], E.INVALID_ARGUMENT),  # top 99
     ("pred", ["KV", GOOD_IDS, 0, 1, 0, 0, OOB, HUGE], E.BAD_POINTER), ("pred", ["KV", GOOD_IDS, 0, 1, 2, 0, 0, NEG], E.INVALID_ARGUMENT),
 ]
 

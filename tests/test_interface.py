@@ -94,6 +94,7 @@ def _host_constants() -> dict[str, int]:
 
     return {"PRED_DIST": core_abi.KIND_DISTRIBUTION, "PRED_TOPK": core_abi.KIND_TOPK,
             "PRED_SAMPLE": core_abi.KIND_SAMPLE, "PRED_GREEDY_EACH": core_abi.KIND_GREEDY_EACH,
+            "PRED_SCORE_EACH": core_abi.KIND_SCORE_EACH,
             "KV_CREATE": OpenFlags.CREATE, "KV_EXCLUSIVE": OpenFlags.EXCLUSIVE, "KV_READ_ONLY": OpenFlags.READ_ONLY,
             "HINT_PINNED": 1, "HINT_DROP_ON_CLOSE": 2,
             "SAMPLING_SEED": core_abi.SAMPLING_SEED, "SAMPLING_MORE": core_abi.SAMPLING_MORE_FOLLOWS}
@@ -101,7 +102,7 @@ def _host_constants() -> dict[str, int]:
 
 def test_sdk_constants_match_the_host():
     expected = _host_constants()
-    assert list(expected.values())[:4] == [0, 1, 2, 3]
+    assert list(expected.values())[:5] == [0, 1, 2, 3, 4]
     c = {name: int(value) for name, value in re.findall(r"#define SYM_(\w+) (\d+)\n", HEADER)}
     rust = {name: int(value) for name, value in re.findall(r"const (\w+): i32 = (\d+);", RUST)}
     assemblyscript = {name: int(value) for name, value in re.findall(r"const (\w+): i32 = (\d+);", ASSEMBLYSCRIPT)}
@@ -109,7 +110,7 @@ def test_sdk_constants_match_the_host():
         assert {name: sdk.get(name) for name in expected} == expected
     # The Python world: `want` cases in kind order, and the SDK's flag values.
     cases = re.search(r"variant want \{(.*?)\}", PYTHON_WIT, re.S).group(1)
-    assert re.findall(r"([\w-]+)[(,]", cases) == ["distribution", "top-k", "sample", "greedy-each"]
+    assert re.findall(r"([\w-]+)[(,]", cases) == ["distribution", "top-k", "sample", "greedy-each", "score-each"]
     assert re.search(r"CREATE, EXCLUSIVE, READ_ONLY = (\d+), (\d+), (\d+)", PYTHON_SDK).groups() == ("1", "2", "4")
     assert re.search(r"PINNED, DROP_ON_CLOSE = (\d+), (\d+)", PYTHON_SDK).groups() == ("1", "2")
     # What the WIT documents.

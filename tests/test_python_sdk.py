@@ -100,7 +100,8 @@ def test_the_types_a_component_may_declare_are_the_wits_and_sdk_components_decla
         f"(borrow<distribution>, s32) -> result<list<tuple<s32, f32>>, enum{{{', '.join(read_wit(WIT)[1])}}}>"
     assert signatures["inference.pred-wait"].startswith(
         "(s32) -> result<variant{distribution(own<distribution>), top-k(list<tuple<s32, f32>>), token(s32), "
-        "tokens(list<s32>), sampled(record{token: s32, logprob: f32, top: list<tuple<s32, f32>>})}, "
+        "tokens(list<s32>), sampled(record{token: s32, logprob: f32, top: list<tuple<s32, f32>>}), "
+        "scores(list<record{logprob: f32, top: list<tuple<s32, f32>>}>)}, "
         "enum{invalid-argument, ")
     engine = make_async_engine()
     component = wasmtime.component.Component(engine, python_lip("hello").read_bytes())

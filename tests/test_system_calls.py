@@ -30,13 +30,14 @@ def expected_table(engine: Engine) -> dict[str, str]:
     kv = engine.session()
     handle = kv.create()
     greedy = engine.pred(kv, handle, ids).token
-    from symphony_os.engine.sampling import Sample, TopK
+    from symphony_os.engine.sampling import Sample, ScoreEach, TopK
     top = engine.pred(kv, handle, [greedy], want=TopK(3)).top_ids[0]
     penalized = kv.create()
     second = engine.pred(kv, penalized, ids, want=Sample(repetition_penalty=1e6, penalized=(greedy,))).token
     after = engine.pred(kv, penalized, [second]).token
     scored = engine.pred(kv, penalized, [second], want=Sample(logprobs=True, top_logprobs=2))  # (the 2nd `second`)
     waited = engine.pred(kv, penalized, [second], want=Sample(logprobs=True, top_logprobs=2))
+    scores = engine.pred(kv, kv.create(), ids[:4], want=ScoreEach(2))
     kv.close_all()
     table = {
         "vocab-size": engine.loaded.config.vocab_size, "bos-id": engine.loaded.bos_token_id,
@@ -58,6 +59,8 @@ def expected_table(engine: Engine) -> dict[str, str]:
         "pred-logprobs": scored.token, "pred-logprob-milli": round(scored.logprob * 1000),
         "pred-top-logprob-ids": scored.top_ids[0] * 100000 + scored.top_ids[1],
         "pred-wait-logprobs": waited.token, "pred-wait-logprob-milli": round(waited.logprob * 1000),
+        "pred-score-each": 3, "score-last-milli": round(scores.scores[2] * 1000),
+        "score-last-top": scores.score_top_ids[2][0], "score-each-one-token": E.INVALID_ARGUMENT,
         "tool": "42", "tool-unknown": E.UNSUPPORTED, "recv": "ping", "recv-closed": E.CLOSED,
     }
     return {label: str(int(value) if isinstance(value, E) else value) for label, value in table.items()}

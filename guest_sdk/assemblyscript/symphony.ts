@@ -99,6 +99,7 @@ const PRED_SAMPLE: i32 = 2;
 const SAMPLING_SEED: i32 = 1;
 const SAMPLING_MORE: i32 = 2;
 const PRED_GREEDY_EACH: i32 = 3;
+const PRED_SCORE_EACH: i32 = 4;
 
 // ---- process ----
 
@@ -276,6 +277,14 @@ export class Kv {
   predGreedyEach(ids: Int32Array): Int32Array {
     const out = new Int32Array(ids.length);
     check(pred(this.handle, ids.dataStart, 0, ids.length, PRED_GREEDY_EACH, 0, out.dataStart, out.length), "pred");
+    return out;
+  }
+  /** Appends `ids` (at least 2); each one after the first's log-probability given those before
+   *  it (the model's own), then the k most likely there: n - 1 floats, then (n - 1) * k ids,
+   *  then their (n - 1) * k log-probabilities (read the floats with reinterpret<f32>). */
+  predScoreEach(ids: Int32Array, k: i32): Int32Array {
+    const out = new Int32Array((ids.length - 1) * (1 + 2 * k));
+    check(pred(this.handle, ids.dataStart, 0, ids.length, PRED_SCORE_EACH, k, out.dataStart, out.length), "pred");
     return out;
   }
 }

@@ -50,6 +50,7 @@ extern "C" {
 #define SYM_PRED_TOPK 1
 #define SYM_PRED_SAMPLE 2
 #define SYM_PRED_GREEDY_EACH 3
+#define SYM_PRED_SCORE_EACH 4
 
 typedef int32_t sym_kv;      /* a KV file handle (> 0), or a negative error */
 typedef int32_t sym_ticket;  /* a pred in flight (> 0), or a negative error */
@@ -258,6 +259,14 @@ static inline int sym_pred_wait_topk(sym_ticket t, int32_t *ids, float *logprobs
    (out[i] follows ids[i]; cap >= n); returns n. One forward pass checks a whole draft. */
 static inline int sym_pred_greedy_each(sym_kv kv, const int32_t *ids, const int32_t *pos, int n, int32_t *out, int cap) {
     return __sym_pred(kv, ids, pos, n, SYM_PRED_GREEDY_EACH, 0, out, cap);
+}
+
+/* Scoring (an echoed prompt's log-probabilities): append n >= 2 tokens and get, for each one
+   after the first, its log-probability given those before it (the model's own), then the k most
+   likely there: out holds n - 1 floats, then (n - 1) * k ids, then (n - 1) * k floats (cap counts
+   those (n - 1) * (1 + 2k) values). Returns n - 1. */
+static inline int sym_pred_score_each(sym_kv kv, const int32_t *ids, int n, int k, void *out, int cap) {
+    return __sym_pred(kv, ids, 0, n, SYM_PRED_SCORE_EACH, k, out, cap);
 }
 
 /* Prediction, blocking: append n tokens to kv and write the next-token distribution over the

@@ -23,9 +23,9 @@ from componentize_py_types import Err
 from wit_world import WitWorld as _World
 from wit_world.imports import grammars, inference, io, kv as _kv, model, tokens, tools
 from wit_world.imports.errors import ErrorCode
-from wit_world.imports.inference import Prediction_Distribution, Sampled, Sampling
+from wit_world.imports.inference import Prediction_Distribution, Sampled, Sampling, Scored
 
-__all__ = ["SymphonyError", "Distribution", "Kv", "Ticket", "Greedy", "Sampler", "Sampled", "TopK", "Grammar", "program",
+__all__ = ["SymphonyError", "Distribution", "Kv", "Ticket", "Greedy", "Sampler", "Sampled", "Scored", "TopK", "Grammar", "program",
            "vocab_size", "eos_ids", "bos_id", "model_name", "tokenize", "detokenize", "send", "recv",
            "tool", "generate", "TextStream"]
 
@@ -326,6 +326,11 @@ class Kv:
 
     def top_k(self, ids: list[int], k: int) -> list[tuple[int, float]]:
         return self.submit(ids, TopK(k)).wait()
+
+    def score(self, ids: list[int], k: int = 0) -> list:
+        """Append `ids` (at least 2); each after the first scored: a Scored (`logprob` given those
+        before it, `top`: the k most likely [(id, logprob)] there), the model's own."""
+        return Ticket(_check(inference.pred_submit, self.handle, list(ids), None, inference.Want_ScoreEach(k))).wait()
 
     def greedy_each(self, ids: list[int]) -> list[int]:
         """Append `ids`; the greedy next token after each of them (verifies a draft)."""

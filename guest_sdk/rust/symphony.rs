@@ -105,6 +105,7 @@ const PRED_SAMPLE: i32 = 2;
 const SAMPLING_SEED: i32 = 1;
 const SAMPLING_MORE: i32 = 2;
 const PRED_GREEDY_EACH: i32 = 3;
+const PRED_SCORE_EACH: i32 = 4;
 
 // ---- model ----
 
@@ -279,6 +280,18 @@ impl Kv {
     pub fn pred_greedy_each(&self, ids: &[u32]) -> Result<Vec<u32>> {
         let (buf, n) = self.pred_into::<u32>(ids, PRED_GREEDY_EACH, 0, ids.len())?;
         Ok(buf[..n].to_vec())
+    }
+    /// Appends `ids` (at least 2); for each after the first, its log-probability given those
+    /// before it, with the k most likely (id, log-probability) there: the model's own.
+    pub fn pred_score_each(&self, ids: &[u32], k: usize) -> Result<Vec<(f32, Vec<(u32, f32)>)>> {
+        let scored = ids.len().saturating_sub(1);
+        let (buf, n) = self.pred_into::<u32>(ids, PRED_SCORE_EACH, k as i32, scored * (1 + 2 * k))?;
+        Ok((0..n)
+            .map(|i| {
+                let top = (0..k).map(|j| (buf[n + i * k + j], f32::from_bits(buf[n + n * k + i * k + j])));
+                (f32::from_bits(buf[i]), top.collect())
+            })
+            .collect())
     }
 }
 

@@ -58,7 +58,7 @@ class DecodeGraphs:
     def fits(self, seqs) -> bool:
         """Whether `seqs` (SequenceInputs) can run as a graph."""
         return len(seqs) <= self.max_batch and all(
-            len(s.tokens) == 1 and not s.greedy_each and s.context_len <= self.max_context
+            len(s.tokens) == 1 and not s.greedy_each and s.score_k < 0 and s.context_len <= self.max_context
             and len(s.page_table) <= self.max_pages for s in seqs)
 
     def run(self, seqs) -> torch.Tensor:

@@ -23,7 +23,7 @@ from .gc_tuning import tune_gc, untune_gc
 from .grammar import Grammar, GrammarCompiler
 from .model_runner import ModelRunner, SequenceInput
 from .pred_future import PredFuture
-from .sampling import GREEDY, GreedyEach, PredResult, Sample, Want, process_logits, validate_want
+from .sampling import GREEDY, GreedyEach, PredResult, Sample, ScoreEach, Want, process_logits, validate_want
 from .scheduler import BatchPlan, BatchScheduler, PredRequest
 from .speculation import ADOPTED, DROPPED, QUEUED, RUNNING, Speculation
 
@@ -275,6 +275,8 @@ class Engine:
             if not valid:
                 raise InvalidArgument("positions must be 32-bit integers, as the guest ABI passes them")
         validate_want(want, vocab)
+        if want.__class__ is ScoreEach and len(tokens) < 2:
+            raise InvalidArgument("score-each scores the tokens after the first: give at least 2")
         request = PredRequest(session.take_for_pred(handle), tokens, positions, want)
         with self._queue_mutex:
             self.scheduler.add(request)
@@ -490,6 +492,7 @@ class Engine:
                     continue
                 runnable.append(chunk)
                 each = isinstance(request.want, GreedyEach)
+                scoring = request.want.__class__ is ScoreEach
                 seqs.append(SequenceInput(
                     tokens=request.tokens if whole else request.tokens[chunk.start:chunk.start + chunk.count],
                     positions=positions,
@@ -497,7 +500,10 @@ class Engine:
                     # file with a pred in flight (truncate refuses it, eviction and swapping skip
                     # it while protected), and the batch's one chunk per file appended already.
                     slots=slots, page_table=file.pages, context_len=file.length,  # resident: reserved just now
-                    wants_logits=chunk.is_last and not each, greedy_each=each,
+                    wants_logits=chunk.is_last and not each and not scoring, greedy_each=each,
+                    # (each row against the token after it, the next chunk's first for its last)
+                    score_k=request.want.k if scoring else -1,
+                    score_next=request.tokens[chunk.start + 1:chunk.start + chunk.count + 1] if scoring else None,
                 ))
         if short and not runnable:  # none runs, so nothing frees pages for a next try: they fail
             failed += short
@@ -555,6 +561,9 @@ class Engine:
                 if seq.greedy_each:
                     request = chunk.request
                     request.greedy_each = (request.greedy_each or []) + seq.argmax_each
+                elif seq.score_k >= 0:  # (kept where a GreedyEach keeps its argmaxes)
+                    request = chunk.request
+                    request.greedy_each = (request.greedy_each or []) + seq.scores
             results = process_logits(logits, wants, self._generator,
                                      masks.result() if masks is not None else None) if wants else []
         except Exception as error:  # a failed forward fails its batch, not the engine
@@ -576,8 +585,13 @@ class Engine:
             chunk.request.done += chunk.count
             if chunk.is_last:
                 request = chunk.request
-                result = (PredResult(tokens=request.greedy_each or []) if isinstance(request.want, GreedyEach)
-                          else next(done))
+                want = request.want
+                if want.__class__ is ScoreEach:
+                    scores = request.greedy_each or []
+                    result = PredResult(scores=[s[0] for s in scores], score_top_ids=[s[1] for s in scores],
+                                        score_top_logprobs=[s[2] for s in scores])
+                else:
+                    result = PredResult(tokens=request.greedy_each or []) if isinstance(want, GreedyEach) else next(done)
                 error = result.error  # its row alone failed (process_logits_reference)
                 finished.append((request, result if error is None else None, error))
         self._finish_all(finished, launched.tentative)

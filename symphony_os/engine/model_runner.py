@@ -27,6 +27,12 @@ class SequenceInput:
     wants_logits: bool  # the logits of its last token are returned
     greedy_each: bool = False  # instead: the argmax after every token, written to `argmax_each`
     argmax_each: list[int] | None = None  # output of `run` for a greedy_each sequence
+    # A ScoreEach chunk's: the top k (-1: not one), the token each row is scored against (the one
+    # after it: a row without one, the request's last, is not scored), and the output of `run`:
+    # per scored row (log-probability, top ids, their log-probabilities).
+    score_k: int = -1
+    score_next: list[int] | None = None
+    scores: list[tuple[float, list[int], list[float]]] | None = None
 
 
 def padded_page_table(page_tables: list[list[int]]) -> np.ndarray:
@@ -88,11 +94,35 @@ class ModelRunner:
         for s, end in zip(seqs, accumulate(meta.query_lens)):
             if s.greedy_each:
                 s.argmax_each = self._argmax_rows(hidden, end - len(s.tokens), end)
+            elif s.score_k >= 0:
+                start = end - len(s.tokens)
+                s.scores = self._score_rows(hidden, start, start + len(s.score_next), s.score_next, s.score_k)
             elif s.wants_logits:
                 last_rows.append(end - 1)
         if not last_rows:
             return torch.empty(0, self.model.cfg.vocab_size, device=device)
         return self.model.logits(hidden[torch.tensor(last_rows, device=device)])
+
+    def _score_rows(self, hidden: torch.Tensor, start: int, end: int, targets: list[int],
+                    k: int) -> list[tuple[float, list[int], list[float]]]:
+        """Rows [start, end) scored, ARGMAX_ROWS at a time: the log-probability of each row's
+        target token and the row's k most likely (ties in id order), one transfer a block."""
+        scores: list[tuple[float, list[int], list[float]]] = []
+        for first in range(start, end, ARGMAX_ROWS):
+            last = min(first + ARGMAX_ROWS, end)
+            logprobs = torch.log_softmax(self.model.logits(hidden[first:last]).float(), dim=-1)
+            wanted = torch.tensor(targets[first - start:last - start], dtype=torch.int64, device=logprobs.device)
+            chosen = logprobs.gather(1, wanted[:, None]).squeeze(1).tolist()
+            if k == 0:
+                scores += [(value, [], []) for value in chosen]
+                continue
+            values, ids = logprobs.topk(k, dim=-1)
+            order = ids.argsort(dim=-1)  # ties in id order: by id, then stably by value
+            ids, values = ids.gather(1, order), values.gather(1, order)
+            order = values.argsort(dim=-1, descending=True, stable=True)
+            ids, values = ids.gather(1, order).tolist(), values.gather(1, order).tolist()
+            scores += list(zip(chosen, ids, values))
+        return scores
 
     def _argmax_rows(self, hidden: torch.Tensor, start: int, end: int) -> list[int]:
         """The argmax of the logits of rows [start, end), ARGMAX_ROWS rows at a time."""

@@ -6,7 +6,9 @@ A request asks for one of four things (the `want` of a `PredRequest`):
 - `Sample(...)`: one token (greedy when temperature is 0), after a repetition penalty, logit
   bias, an allowed-token mask, temperature, min-p, top-k and top-p;
 - `GreedyEach()`: the argmax after every appended token (speculative decoding's verification;
-  the engine answers it itself, from the logits of every row of the request).
+  the engine answers it itself, from the logits of every row of the request);
+- `ScoreEach(k)`: each appended token's log-probability given those before it, with the top k
+  there (an echoed prompt's log-probabilities; the engine answers it from every row too).
 
 `process_logits` answers a batch: on CUDA with batched kernels on the device
 (`process_logits_batched`), elsewhere row by row on the host (`process_logits_reference`, the
@@ -104,7 +106,17 @@ class GreedyEach:
     One such pred verifies a whole speculative draft."""
 
 
-Want = Distribution | TopK | Sample | GreedyEach
+@dataclass(frozen=True)
+class ScoreEach:
+    """Score the appended tokens: for each one but the first, its log-probability given those
+    before it, and the `k` most likely tokens in its place (ids and log-probabilities, most
+    likely first, ties in id order): the model's own, its log-softmax. n - 1 answers for n >= 2
+    tokens, and no next token: what an echoed prompt's log-probabilities are made of."""
+
+    k: int = 0
+
+
+Want = Distribution | TopK | Sample | GreedyEach | ScoreEach
 GREEDY = Sample()  # the default: shared, since building a Sample costs more than using one
 
 
@@ -120,6 +132,10 @@ class PredResult:
     token: int | None = None
     logprob: float | None = None  # a Sample's with logprobs: its token's
     tokens: list[int] | None = None  # GreedyEach: one per appended token
+    # ScoreEach: per appended token but the first, its log-probability and the top k's ids and theirs
+    scores: list[float] | None = None
+    score_top_ids: list[list[int]] | None = None
+    score_top_logprobs: list[list[float]] | None = None
     top_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
     distribution: torch.Tensor | None = None
@@ -175,6 +191,10 @@ def validate_want(want: Want, vocab_size: int) -> None:
     if isinstance(want, TopK):
         if not 1 <= want.k <= vocab_size:
             raise InvalidArgument(f"top-k needs 1 <= k <= {vocab_size}, got {want.k}")
+        return
+    if isinstance(want, ScoreEach):
+        if not 0 <= want.k <= min(vocab_size, MAX_TOP_LOGPROBS):
+            raise InvalidArgument(f"score-each takes 0 <= k <= {min(vocab_size, MAX_TOP_LOGPROBS)}, got {want.k}")
         return
     if not isinstance(want, Sample):
         raise InvalidArgument(f"unknown pred output {want!r}")

@@ -22,7 +22,7 @@ import torch
 import wasmtime
 import wasmtime.component as wc
 
-from ..engine.sampling import Distribution, GreedyEach, Sample, TopK, Want
+from ..engine.sampling import Distribution, GreedyEach, Sample, ScoreEach, TopK, Want
 from ..errors import BadHandle, InvalidArgument, SymphonyError
 from ..wasm.component_linker import ComponentLinker, Failed, call_run, capture_output
 from ..wasm.fiber import Fiber, polling_fiber
@@ -52,6 +52,8 @@ def _want_of(want: Any, vocab_size: int, calls: SystemCalls) -> Want:
         return TopK(want.payload)
     if want.tag == "greedy-each":
         return GreedyEach()
+    if want.tag == "score-each":
+        return ScoreEach(want.payload)
     record = want.payload
     allowed = record.allowed
     penalized = record.penalized
@@ -65,6 +67,13 @@ def _want_of(want: Any, vocab_size: int, calls: SystemCalls) -> Want:
                   grammar=calls.grammar_for_pred(record.grammar) if record.grammar else None,
                   min_p=getattr(record, "min-p"), repetition_penalty=getattr(record, "repetition-penalty"),
                   penalized=tuple(penalized), logprobs=record.logprobs, top_logprobs=getattr(record, "top-logprobs"))
+
+
+def _scored(logprob: float, ids: list[int], logprobs: list[float]) -> wc.Record:
+    """The WIT's `scored` record: a token's log-probability and the top ones there."""
+    scored = wc.Record()
+    scored.logprob, scored.top = logprob, list(zip(ids, logprobs))
+    return scored
 
 
 class ComponentCalls:
@@ -175,6 +184,9 @@ class ComponentCalls:
             return wc.Variant("top-k", list(zip(result.top_ids, result.top_logprobs)))
         if isinstance(want, GreedyEach):
             return wc.Variant("tokens", list(result.tokens))
+        if isinstance(want, ScoreEach):
+            return wc.Variant("scores", [_scored(logprob, ids, logprobs) for logprob, ids, logprobs
+                                         in zip(result.scores, result.score_top_ids, result.score_top_logprobs)])
         if want.logprobs:
             sampled = wc.Record()
             sampled.token, sampled.logprob = result.token, result.logprob

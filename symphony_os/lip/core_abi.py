@@ -15,14 +15,14 @@ import os
 import struct
 import time
 
-from ..engine.sampling import GREEDY, Distribution, GreedyEach, PredResult, Sample, TopK, Want
+from ..engine.sampling import GREEDY, Distribution, GreedyEach, PredResult, Sample, ScoreEach, TopK, Want
 from ..errors import ErrorCode, InvalidArgument, LimitExceeded, SymphonyError
 from ..wasm.fiber import FastCall
 from ..wasm.guest_memory import GuestMemory
 from ..wasm.wit import core_signatures
 from .syscalls import MAX_PATH_BYTES, MAX_TEXT_BYTES, MAX_TOKENS_PER_PRED, SystemCalls, Wait
 
-KIND_DISTRIBUTION, KIND_TOPK, KIND_SAMPLE, KIND_GREEDY_EACH = 0, 1, 2, 3
+KIND_DISTRIBUTION, KIND_TOPK, KIND_SAMPLE, KIND_GREEDY_EACH, KIND_SCORE_EACH = 0, 1, 2, 3, 4
 SAMPLING_RECORD = struct.Struct("<ffiiQiiiiii")  # sym_sampling: 48 bytes
 # Its `has_seed` field's bits: 1 the seed is used; 2 a SAMPLING_MORE record follows it (min-p,
 # the repetition penalty and the ids it applies to, log-probabilities). Any other bit is refused.
@@ -232,9 +232,11 @@ class CoreCalls:
             want = TopK(arg)
         elif kind == KIND_GREEDY_EACH:
             want = GreedyEach()
+        elif kind == KIND_SCORE_EACH:
+            want = ScoreEach(arg)
         else:
-            raise InvalidArgument(f"pred kind must be 0 (distribution), 1 (top-k), 2 (sample) or 3 (greedy each), "
-                                  f"got {kind}")
+            raise InvalidArgument(f"pred kind must be 0 (distribution), 1 (top-k), 2 (sample), 3 (greedy each) "
+                                  f"or 4 (score each), got {kind}")
         return tokens, positions, want
 
     def _read_sampling(self, mem: GuestMemory, ptr: int) -> Sample:
@@ -323,6 +325,12 @@ class CoreCalls:
             k = len(result.top_ids)
             mem.write(out_ptr, struct.pack(f"<{k}i{k}f", *result.top_ids, *result.top_logprobs))
             return k
+        if isinstance(want, ScoreEach):  # the scores, then each one's top ids, then their log-probabilities
+            n, k = len(result.scores), want.k
+            ids = [i for top in result.score_top_ids for i in top]
+            logprobs = [lp for top in result.score_top_logprobs for lp in top]
+            mem.write(out_ptr, struct.pack(f"<{n}f{n * k}i{n * k}f", *result.scores, *ids, *logprobs))
+            return n
         mem.write_i32s(out_ptr, result.tokens)  # GreedyEach
         return len(result.tokens)
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, TypeVar
 
 from ..engine.grammar import Grammar
 from ..engine.pred_future import PredFuture
-from ..engine.sampling import Distribution, GreedyEach, PredResult, Sample, TopK, Want
+from ..engine.sampling import Distribution, GreedyEach, PredResult, Sample, ScoreEach, TopK, Want
 from ..engine.scheduler import PredRequest
 from ..errors import (BadHandle, BufferTooSmall, ErrorCode, InputClosed, InvalidArgument, LimitExceeded,
                       SymphonyError, Unsupported)
@@ -64,6 +64,8 @@ def values_in(want: Want, result: PredResult) -> int:
         return 2 * len(result.top_ids)
     if isinstance(want, GreedyEach):
         return len(result.tokens)
+    if isinstance(want, ScoreEach):
+        return len(result.scores) * (1 + 2 * want.k)
     return sampled_values(want)
 
 
@@ -309,7 +311,7 @@ class SystemCalls:
                 raise InvalidArgument("cap must be >= 0")
             needed = (self.engine.loaded.config.vocab_size if isinstance(want, Distribution) else
                       2 * want.k if isinstance(want, TopK) else len(tokens) if isinstance(want, GreedyEach) else
-                      sampled_values(want))
+                      (len(tokens) - 1) * (1 + 2 * want.k) if isinstance(want, ScoreEach) else sampled_values(want))
             if room < needed:
                 raise BufferTooSmall(f"this pred's answer takes {needed} values, cap is {room}")
         future = self._queue(kv, tokens, positions, want).future

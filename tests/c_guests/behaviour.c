@@ -94,6 +94,13 @@ int main(void) {
     answer.logprob = 0;
     report("pred-wait-logprobs", __sym_pred_wait(scored_ticket, &answer, 5));
     report("pred-wait-logprob-milli", (int)lroundf(answer.logprob * 1000));
+    /* the prompt scored: each token after the first, with the top 2 there */
+    struct { float scores[3]; int32_t ids[3][2]; float logprobs[3][2]; } scores;
+    int scored_kv = __sym_kv_create();
+    report("pred-score-each", sym_pred_score_each(scored_kv, ids, 4, 2, &scores, 15));
+    report("score-last-milli", (int)lroundf(scores.scores[2] * 1000));
+    report("score-last-top", scores.ids[2][0]);
+    report("score-each-one-token", sym_pred_score_each(scored_kv, ids, 1, 2, &scores, 15));
 
     report_text("tool", text, __sym_tool("calculator", 10, "6*7", 3, text, sizeof text));
     report("tool-unknown", __sym_tool("format-disk", 11, "now", 3, text, sizeof text));

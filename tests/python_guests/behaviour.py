@@ -77,6 +77,11 @@ def main(args: list[str]) -> int:
     waited = penalized.submit([second], symphony.Sampler(temperature=0.0, logprobs=True, top_logprobs=2)).wait()
     report("pred-wait-logprobs", waited.token)
     report("pred-wait-logprob-milli", round(waited.logprob * 1000))
+    scores = symphony.Kv.create().score(ids[:4], 2)
+    report("pred-score-each", len(scores))
+    report("score-last-milli", round(scores[2].logprob * 1000))
+    report("score-last-top", scores[2].top[0][0])
+    report("score-each-one-token", outcome(lambda: symphony.Kv.create().score(ids[:1], 2)))
 
     report("tool", symphony.tool("calculator", "6*7"))
     report("tool-unknown", outcome(lambda: symphony.tool("format-disk", "now")))
