@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from served import SMALL_QUOTAS, TOKENS, served, wait_until  # noqa: F401 (fixture)
 
 from symphony_os.client.client import Client
-from symphony_os.engine.sampling import Sample
+from symphony_os.engine.sampling import Sample, ScoreEach
 from symphony_os.server.completion import BranchText
 
 PROMPT = "Once upon a time"
@@ -582,6 +582,34 @@ def test_echo_puts_the_prompt_before_the_completion(api):
     stream = api.completions.create(model="stories260K", prompt=PROMPT, max_tokens=8, temperature=0, echo=True,
                                     stream=True)
     assert "".join(c.choices[0].text for c in stream if c.choices) == PROMPT + plain
-    with pytest.raises(openai.BadRequestError) as refused:
-        api.completions.create(model="stories260K", prompt=PROMPT, max_tokens=8, echo=True, logprobs=1)
-    assert refused.value.body["param"] == "echo"
+
+
+def test_echo_with_logprobs_scores_the_prompt(served, api):
+    """lm-eval's loglikelihood request (echo, logprobs, max_tokens 0) and a completion after an
+    echo: the prompt's first token has no log-probability, each other one the engine's own score
+    of it given those before it; streamed, the echo chunk carries them."""
+    engine = served.engine
+    ids = engine.tokenize(PROMPT)
+    kv = engine.session()
+    expected = engine.pred(kv, kv.create(), ids, want=ScoreEach(2))
+    kv.close_all()
+    scored = api.completions.create(model="stories260K", prompt=PROMPT, max_tokens=0, echo=True, logprobs=2).choices[0]
+    lp = scored.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(expected.scores, abs=1e-5)
+    assert "".join(lp.tokens) == scored.text and lp.text_offset[0] == 0 and len(lp.tokens) == len(ids)
+    assert all(len(top) <= 2 for top in lp.top_logprobs[1:])
+    plain = api.completions.create(model="stories260K", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1)
+    both = api.completions.create(model="stories260K", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1,
+                                  echo=True).choices[0]
+    assert both.text == scored.text + plain.choices[0].text  # the answer as without the echo
+    assert both.logprobs.tokens == lp.tokens + plain.choices[0].logprobs.tokens
+    assert both.logprobs.token_logprobs[len(ids):] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
+    assert both.logprobs.text_offset[len(ids)] == len(scored.text)
+    chunks = list(api.completions.create(model="stories260K", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1,
+                                         echo=True, stream=True))
+    assert chunks[0].choices[0].text == scored.text
+    assert chunks[0].choices[0].logprobs.token_logprobs[1:] == pytest.approx(expected.scores, abs=1e-5)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == both.text
+    streamed = [t for c in chunks[1:] if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.text_offset]
+    assert streamed == both.logprobs.text_offset[len(ids):]

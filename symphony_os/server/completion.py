@@ -14,7 +14,7 @@ from .program_store import StoredProgram
 from .tenants import QuotaExceeded, Tenant
 
 HEADER = struct.Struct("<iiiiffiiQ")
-FRAME_PROMPT, FRAME_TOKEN, FRAME_FINISH = 1, 2, 3
+FRAME_PROMPT, FRAME_TOKEN, FRAME_FINISH, FRAME_PROMPT_SCORES = 1, 2, 3, 4
 EXIT_LIMIT = 3  # the program's exit code when a host call was refused by a limit or quota
 MAX_BRANCHES, MAX_TOP_LOGPROBS, MAX_STOPS = 16, 20, 8
 
@@ -40,6 +40,7 @@ class CompletionRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
+    score_prompt: bool = False  # echo with logprobs: the prompt's tokens scored (PromptScores), no cached prefix
     min_tokens: int = 0
     min_p: float = 0.0  # 0: off
     repetition_penalty: float = 1.0  # 1: off; on the prompt's and the output's tokens (vLLM's)
@@ -51,7 +52,8 @@ class CompletionRequest:
         stops = b"".join(struct.pack("<i", len(s.encode())) + s.encode() for s in self.stop)
         kind, source = self.grammar if self.grammar is not None else (-1, "")
         grammar = struct.pack("<ii", kind, len(source.encode())) + source.encode()
-        extras = struct.pack("<iiiffffi", self.top_k, int(self.ignore_eos), self.min_tokens, self.presence_penalty,
+        flags = int(self.ignore_eos) | int(self.score_prompt) << 1
+        extras = struct.pack("<iiiffffi", self.top_k, flags, self.min_tokens, self.presence_penalty,
                              self.frequency_penalty, self.min_p, self.repetition_penalty, len(self.logit_bias))
         bias = b"".join(struct.pack("<if", token, value) for token, value in self.logit_bias)
         return head + struct.pack(f"<{len(self.prompt_ids)}i", *self.prompt_ids) + stops + grammar + extras + bias
@@ -72,13 +74,22 @@ class TokenEvent:
 
 
 @dataclass(frozen=True)
+class PromptScores:
+    """Prompt tokens `first`.. scored: each one's log-probability given those before it, and
+    the top ones there [(id, logprob)]."""
+    first: int
+    logprobs: list[float]
+    tops: list[list[tuple[int, float]]]
+
+
+@dataclass(frozen=True)
 class FinishEvent:
     branch: int
     reason: str  # "stop" or "length"
     text_end: int | None  # bytes of the branch's text to keep (a stop string starts there)
 
 
-Event = PromptInfo | TokenEvent | FinishEvent
+Event = PromptInfo | TokenEvent | FinishEvent | PromptScores
 
 
 def decode_frame(data: bytes, wants_logprobs: bool) -> Event:
@@ -91,6 +102,16 @@ def decode_frame(data: bytes, wants_logprobs: bool) -> Event:
         ids = struct.unpack_from(f"<{k}i", data, 20)
         logprobs = struct.unpack_from(f"<{k}f", data, 20 + 4 * k)
         return TokenEvent(branch, token, logprob if wants_logprobs else None, list(zip(ids, logprobs)))
+    if tag == FRAME_PROMPT_SCORES:
+        _, first, count, k = struct.unpack_from("<4i", data)
+        per = 1 + 2 * k
+        logprobs, tops = [], []
+        for i in range(count):
+            at = 16 + 4 * per * i
+            logprobs.append(struct.unpack_from("<f", data, at)[0])
+            ids = struct.unpack_from(f"<{k}i", data, at + 4)
+            tops.append(list(zip(ids, struct.unpack_from(f"<{k}f", data, at + 4 + 4 * k))))
+        return PromptScores(first, logprobs, tops)
     if tag == FRAME_FINISH:
         _, branch, reason, text_end = struct.unpack("<4i", data)
         return FinishEvent(branch, "stop" if reason == 0 else "length", None if text_end < 0 else text_end)

@@ -7,7 +7,7 @@
  *   i32 prompt[n_prompt]; then n_stop times { i32 len; len bytes };
  *   then { i32 grammar_kind (-1: none), i32 len; len bytes }: a grammar every token keeps to
  *   (grammar-new's kinds; each branch a fork of it), its text ending once the grammar must end;
- *   then { i32 top_k (0: off), flags (bit 0: ignore EOS), min_tokens; f32 presence_penalty,
+ *   then { i32 top_k (0: off), flags (bit 0: ignore EOS; bit 1: score the prompt), min_tokens; f32 presence_penalty,
  *          frequency_penalty, min_p (0: off), repetition_penalty (1: off); i32 n_bias } and
  *   n_bias times { i32 id; f32 value }: logit biases, to which each branch adds its own
  *   penalties (presence: once a token occurred in the branch, frequency: for each time) and,
@@ -16,6 +16,10 @@
  *   the tokens of the prompt and of the branch so far) go to the host in a sym_sampling_more.
  * Output, one message per event (i32 words):
  *   FRAME_PROMPT  { tag, n_prompt, cached }          prompt tokens and how many came from the cache
+ *   FRAME_PROMPT_SCORES { tag, first, count, k, count times { f32 logprob, i32 ids[k], f32 logprobs[k] } }
+ *                 with flag bit 1: prompt tokens first.. scored (each given those before it, the
+ *                 top k = max(logprobs, 0) there), before any token; the whole prompt is computed
+ *                 (no cached prefix)
  *   FRAME_TOKEN   { tag, branch, token, f32 logprob, k, i32 ids[k], f32 logprobs[k] }
  *   FRAME_FINISH  { tag, branch, reason, text_end }  reason 0 stop (EOS or stop string), 1 length;
  *                                                    text_end: bytes of the branch's text to keep, -1 all
@@ -35,7 +39,8 @@
 #include <unistd.h>
 #include "symphony.h"
 
-enum { FRAME_PROMPT = 1, FRAME_TOKEN = 2, FRAME_FINISH = 3 };
+enum { FRAME_PROMPT = 1, FRAME_TOKEN = 2, FRAME_FINISH = 3, FRAME_PROMPT_SCORES = 4 };
+#define SCORES_PER_FRAME 256
 enum { FINISH_STOP = 0, FINISH_LENGTH = 1 };
 enum { EXIT_FAILED = 1, EXIT_MALFORMED = 2, EXIT_LIMIT = 3 };
 #define MAX_REQUEST (4 << 20)
@@ -65,7 +70,7 @@ static const char *stops[MAX_STOPS];
 static int stop_lens[MAX_STOPS];
 static int32_t grammar_kind = -1, grammar_len;
 static const char *grammar_source;
-static int32_t top_k, ignore_eos, min_tokens, n_bias;
+static int32_t top_k, ignore_eos, score_prompt, min_tokens, n_bias;
 static float presence_penalty, frequency_penalty, min_p, repetition_penalty;
 static const char *bias_entries;  /* n_bias { i32 id; f32 value } */
 static int vocab;
@@ -184,6 +189,7 @@ static int read_request(char *buf) {
     at += sizeof extras;
     top_k = extras[0];
     ignore_eos = extras[1] & 1;
+    score_prompt = (extras[1] >> 1) & 1;
     min_tokens = extras[2];
     memcpy(&presence_penalty, &extras[3], 4);
     memcpy(&frequency_penalty, &extras[4], 4);
@@ -269,11 +275,42 @@ int main(void) {
     int got = sym_detokenize(&context_token, 1, context_text, sizeof context_text - 1);
     if (got >= 0 && got < (int)sizeof context_text) context_len = got;
 
-    sym_kv root = sym_kv_open_prefix(prompt, req.n_prompt);
+    sym_kv root = score_prompt ? sym_kv_create() : sym_kv_open_prefix(prompt, req.n_prompt);
     int cached = root < 0 ? root : sym_kv_len(root);
     if (root < 0 || cached < 0) return failed("kv_open_prefix", root < 0 ? root : cached);
     int32_t head[3] = {FRAME_PROMPT, req.n_prompt, cached};
     send_words(head, 3);
+    /* Echo with log-probabilities: the prompt scored token by token (every token's logits are
+       needed: no cached prefix), then the file cut back before its last token, which the
+       decoding below feeds again as usual. */
+    if (score_prompt && req.n_prompt >= 2) {
+        int k = req.logprobs >= 0 ? req.logprobs : 0;
+        size_t per = 1 + 2 * (size_t)k, n = (size_t)req.n_prompt - 1;
+        int32_t *scores = malloc(4 * per * n);
+        int32_t *frame = malloc(4 * (4 + per * SCORES_PER_FRAME));
+        if (!scores || !frame) return out_of_memory();
+        int got = sym_pred_score_each(root, prompt, req.n_prompt, k, scores, (int)(per * n));
+        if (got < 0) return failed("score_each", got);
+        for (size_t first = 0; first < n; first += SCORES_PER_FRAME) {
+            size_t count = n - first < SCORES_PER_FRAME ? n - first : SCORES_PER_FRAME;
+            frame[0] = FRAME_PROMPT_SCORES;
+            frame[1] = (int32_t)first + 1;  /* the first token has no score */
+            frame[2] = (int32_t)count;
+            frame[3] = k;
+            for (size_t i = 0; i < count; i++) {  /* SYM_PRED_SCORE_EACH's arrays, a position at a time */
+                int32_t *at = frame + 4 + i * per;
+                at[0] = scores[first + i];
+                memcpy(at + 1, scores + n + (first + i) * k, 4 * (size_t)k);
+                memcpy(at + 1 + k, scores + n + n * k + (first + i) * k, 4 * (size_t)k);
+            }
+            send_words(frame, 4 + (int)(per * count));
+        }
+        free(scores);
+        free(frame);
+        int cut = sym_kv_truncate(root, req.n_prompt - 1);
+        if (cut < 0) return failed("kv_truncate", cut);
+        cached = req.n_prompt - 1;
+    }
 
     /* One branch: it feeds the rest of the prompt into the root file itself. Several: the
        prompt but its last token goes into the root, each branch forks it and feeds that token. */

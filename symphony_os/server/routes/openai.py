@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import struct
@@ -25,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ...engine.grammar import GrammarKind
 from ...errors import InvalidArgument, SymphonyError
 from ..completion import (MAX_BRANCHES, MAX_STOPS, MAX_TOP_LOGPROBS, BranchText, CompletionFailed, CompletionRequest,
-                         FinishEvent, PromptInfo, TokenEvent, run_completion)
+                         FinishEvent, PromptInfo, PromptScores, TokenEvent, run_completion)
 from ..metrics import OPENAI
 from ..tool_calls import ToolError, ToolPlan, parse_call, plan_tools, tools_prompt
 from ..state import ServerState, tenant_of
@@ -372,6 +373,16 @@ def _usage(info: PromptInfo | None, completion_tokens: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": info.cached_tokens if info else 0}}
 
 
+def prompt_pieces(detokenize, ids: list[int]) -> list[str]:
+    """The text each prompt token adds, decoded after the token before it (a sentencepiece
+    token decoded alone loses its leading space): two short decodes a token, not the prompt's
+    every prefix."""
+    pieces = [detokenize(ids[:1])] if ids else []
+    for before, token in zip(ids, ids[1:]):
+        pieces.append(detokenize([before, token])[len(detokenize([before])):])
+    return pieces
+
+
 class Choices:
     """Per-branch text, token log-probabilities and finish reasons of one request."""
 
@@ -383,6 +394,32 @@ class Choices:
         self.finish_reasons: list[str | None] = [None] * request.n
         self.info: PromptInfo | None = None
         self.completion_tokens = 0
+        # Echo with log-probabilities (request.score_prompt): the prompt's tokens' texts, joined
+        # the echoed text, and each one's score after the first as the process sends it.
+        self.prompt_pieces = prompt_pieces(state.engine.detokenize, request.prompt_ids) if request.score_prompt else []
+        self.prompt_scores: list[tuple[float, list[tuple[int, float]]]] = []
+
+    @property
+    def echo(self) -> str:
+        """The prompt's text as its tokens decode, one after another (what echo puts first)."""
+        return "".join(self.prompt_pieces)
+
+    def prompt_scored(self) -> bool:
+        return not self.request.score_prompt or len(self.prompt_scores) >= len(self.request.prompt_ids) - 1
+
+    def prompt_logprobs_json(self, branch: int) -> dict | None:
+        """The echoed prompt's part of a completion's log-probabilities: its first token has
+        none (OpenAI's null), the others theirs and the top ones there."""
+        if not self.request.score_prompt:
+            return None
+        ids, detokenize = self.request.prompt_ids, self.state.engine.detokenize
+        tops: list[dict | None] = [None]
+        for at, (_, top) in enumerate(self.prompt_scores, start=1):
+            before = detokenize([ids[at - 1]])
+            tops.append({detokenize([ids[at - 1], token])[len(before):]: lp for token, lp in top})
+        offsets = [sum(len(piece) for piece in self.prompt_pieces[:i]) for i in range(len(self.prompt_pieces))]
+        return {"tokens": list(self.prompt_pieces), "token_logprobs": [None] + [lp for lp, _ in self.prompt_scores],
+                "top_logprobs": tops, "text_offset": offsets}
 
     async def events(self, tenant: Tenant) -> AsyncIterator[tuple[int, str, list[TokenEvent], str | None]]:
         """(branch, new text, new token log-probs, finish reason) as the process goes. The first,
@@ -396,7 +433,10 @@ class Choices:
         try:
             async for item in run_completion(state.table, state.completion_program, state.completion_entry, tenant,
                                              self.request):
-                if isinstance(item, PromptInfo):
+                if isinstance(item, PromptScores):
+                    self.prompt_scores += list(zip(item.logprobs, item.tops))
+                    yield 0, "", [], None
+                elif isinstance(item, PromptInfo):
                     self.info = item
                     counters.prompt_tokens += item.prompt_tokens
                     counters.cached_tokens += item.cached_tokens
@@ -430,12 +470,20 @@ class Choices:
         before = detokenize([ids[at - 1]])
         return [detokenize([ids[at - 1], token])[len(before):] for token in tokens]
 
-    def logprobs_json(self, branch: int, start: int = 0) -> dict | None:
+    def logprobs_json(self, branch: int, start: int = 0, with_prompt: bool = True) -> dict | None:
         """The log-probabilities of the branch's tokens from `start` on (a stream sends each
         token's once). A token's text is what it added to the branch's text: joined, they are
-        the text, and text_offset indexes it."""
+        the text, and text_offset indexes it. An echoed prompt's come first (`with_prompt`), and
+        the offsets count its text."""
         if self.request.logprobs is None:
             return None
+        answer = self._tokens_logprobs_json(branch, start)
+        if not (with_prompt and self.request.score_prompt):
+            return answer
+        prompt = self.prompt_logprobs_json(branch)
+        return {key: prompt[key] + answer[key] for key in prompt}
+
+    def _tokens_logprobs_json(self, branch: int, start: int) -> dict:
         events, pieces = self.logprobs[branch][start:], self.texts[branch].pieces[start:]
         tops = []  # per token: {(id, text): log-prob}
         for j, event in enumerate(events):
@@ -446,7 +494,7 @@ class Choices:
                 return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
             return {"content": [{**entry(text, event.logprob), "top_logprobs": [entry(t, lp) for (_, t), lp in top.items()]}
                                 for text, event, top in zip(pieces, events, tops)]}
-        offsets, at = [], sum(len(piece) for piece in self.texts[branch].pieces[:start])
+        offsets, at = [], sum(len(piece) for piece in self.texts[branch].pieces[:start]) + len(self.echo)
         for piece in pieces:
             offsets.append(at)
             at += len(piece)
@@ -477,9 +525,16 @@ class PromptsChoices:
     def completion_tokens(self) -> int:
         return sum(part.completion_tokens for part in self.parts)
 
-    def logprobs_json(self, branch: int, start: int = 0) -> dict | None:
+    def logprobs_json(self, branch: int, start: int = 0, with_prompt: bool = True) -> dict | None:
         part, own = self._owners[branch]
-        return part.logprobs_json(own, start)
+        return part.logprobs_json(own, start, with_prompt)
+
+    def prompt_logprobs_json(self, branch: int) -> dict | None:
+        part, own = self._owners[branch]
+        return part.prompt_logprobs_json(own)
+
+    def prompt_scored(self) -> bool:
+        return all(part.prompt_scored() for part in self.parts)
 
     async def events(self, tenant: Tenant) -> AsyncIterator[tuple[int, str, list[TokenEvent], str | None]]:
         queue: asyncio.Queue = asyncio.Queue()
@@ -526,6 +581,9 @@ async def _respond(request: Request, body: SamplingBody, completions: list[Compl
     choices = Choices(state, completions[0], chat) if len(completions) == 1 else \
         PromptsChoices([Choices(state, completion, chat) for completion in completions])
     count = sum(completion.n for completion in completions)
+    scoring = completions[0].score_prompt  # echo with log-probabilities: the echo is the prompt's tokens' text
+    if scoring:
+        echo = [part.echo for part in (choices.parts if isinstance(choices, PromptsChoices) else [choices])]
     echoed = [prefix for prefix, completion in zip(echo, completions) for _ in range(completion.n)] if echo else None
     created, cid, model = int(time.time()), _completion_id(chat), body.model
     kind = "chat.completion" if chat else "text_completion"
@@ -565,11 +623,20 @@ async def _respond(request: Request, body: SamplingBody, completions: list[Compl
     # headers go once it has started, not after the prompt's forward pass (events' first item).
     events = choices.events(tenant)
     first = await anext(events, None)
+    buffered: list = []  # events taken early: those before an echo's log-probabilities came
 
     async def started() -> AsyncIterator[tuple[int, str, list[TokenEvent], str | None]]:
         if first is not None:
             yield first
         async for item in events:
+            yield item
+
+    stream = started()
+
+    async def rest() -> AsyncIterator[tuple[int, str, list[TokenEvent], str | None]]:
+        for item in buffered:
+            yield item
+        async for item in stream:
             yield item
 
     async def sse() -> AsyncIterator[str]:
@@ -578,20 +645,27 @@ async def _respond(request: Request, body: SamplingBody, completions: list[Compl
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for i in range(count)])
             elif echoed:
-                yield chunk([{"index": i, "text": echoed[i], "logprobs": None, "finish_reason": None}
-                             for i in range(count)])
+                if scoring:  # the echo carries the prompt's log-probabilities: wait for them
+                    while not choices.prompt_scored():
+                        item = await anext(stream, None)
+                        if item is None:
+                            break
+                        buffered.append(item)
+                yield chunk([{"index": i, "text": echoed[i], "finish_reason": None,
+                              "logprobs": choices.prompt_logprobs_json(i) if scoring else None} for i in range(count)])
             if plan is not None:  # a tool call is known once whole: each answer in one delta at its end
-                async for _ in started():
+                async for _ in rest():
                     pass
                 for i in range(count):
                     answer, reason = message(i)
                     delta = {"content": answer["content"]} if "tool_calls" not in answer else \
                         {"tool_calls": [{"index": 0, **answer["tool_calls"][0]}]}
                     yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}])
-            async for branch, text, tokens, reason in (started() if plan is None else _nothing()):
+            async for branch, text, tokens, reason in (rest() if plan is None else _nothing()):
                 if not text and not tokens and reason is None:
                     continue
-                logprobs = choices.logprobs_json(branch, len(choices.logprobs[branch]) - len(tokens)) if tokens else None
+                logprobs = choices.logprobs_json(branch, len(choices.logprobs[branch]) - len(tokens),
+                                                 with_prompt=False) if tokens else None
                 if chat:
                     yield chunk([{"index": branch, "delta": {"content": text} if text else {},
                                   "logprobs": logprobs, "finish_reason": reason}])
@@ -674,14 +748,13 @@ async def completions(request: Request):
             prompts = [prompts]  # one prompt: a string, or its token ids
         if not 1 <= len(prompts) <= MAX_PROMPTS:
             raise OpenAIError(400, f"a request takes 1 to {MAX_PROMPTS} prompts", param="prompt")
-        if body.echo and body.logprobs is not None:
-            raise OpenAIError(400, "echo with logprobs (the prompt's log-probabilities) is not supported by this "
-                                   "server", param="echo")
         completions, texts = [], []
+        scoring = bool(body.echo) and body.logprobs is not None  # the prompt's log-probabilities too
         for prompt in prompts:
             # Tokenizing a long prompt takes a while: off the event loop.
             ids = await asyncio.to_thread(state.engine.tokenize, prompt) if isinstance(prompt, str) else list(prompt)
-            completions.append(_sampling(state, body, ids, body.max_tokens, body.logprobs, chat=False))
+            completion = _sampling(state, body, ids, body.max_tokens, body.logprobs, chat=False)
+            completions.append(dataclasses.replace(completion, score_prompt=True) if scoring else completion)
             if body.echo:
                 texts.append(prompt if isinstance(prompt, str) else await asyncio.to_thread(state.engine.detokenize, ids))
         return await _respond(request, body, completions, chat=False, echo=texts or None)
