@@ -14,7 +14,7 @@ from typing import Callable
 import wasmtime
 
 from ..errors import ErrorCode, InputClosed, LimitExceeded, SymphonyError
-from ..wasm.fiber import AsyncLinker, FastCalls, Fiber, HostCall, set_time_slice
+from ..wasm.fiber import AsyncLinker, FastCalls, Fiber, HostCall, instance_export, set_time_slice
 from ..wasm.guest_memory import GuestMemory, memory_locator
 from ..wasm.program import Program
 from ..engine.sampling import GREEDY, Sample
@@ -372,10 +372,9 @@ class Process:
 
     def _main_fiber(self, instance: wasmtime.Instance) -> Fiber:
         """The call that runs the program once instantiated: WASI's `_start`."""
-        exports = instance.exports(self.store)
-        self._memory = exports["memory"]
+        self._memory = instance_export(self.store, instance, b"memory")
         self.memory = GuestMemory(memory_locator(self.store, self._memory))
-        fiber = Fiber(self.store, exports["_start"], owner=self)
+        fiber = Fiber.of_command(self.store, instance_export(self.store, instance, b"_start"), owner=self)
         linker, vocab = self._linker, self.engine.loaded.config.vocab_size
         calls = linker.fast_calls.get(("decode", vocab))
         if calls is None:  # made once per linker and vocabulary: the shapes of a decode step

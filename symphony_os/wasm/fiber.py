@@ -98,6 +98,23 @@ _memory_data = raw_prototype("wasmtime_memory_data", _vp, _vp, ctypes.POINTER(ff
 _memory_data_size = raw_prototype("wasmtime_memory_data_size", _size, _vp, ctypes.POINTER(ffi.wasmtime_memory_t))
 
 _MEMORY_EXPORT = b"memory"
+_instance_export_get = raw_prototype("wasmtime_instance_export_get", ctypes.c_bool, _vp,
+                                     ctypes.POINTER(ffi.wasmtime_instance_t), ctypes.c_char_p, _size,
+                                     ctypes.POINTER(ffi.wasmtime_extern_t))
+
+
+def instance_export(store: wasmtime.Store, instance: wasmtime.Instance, name: bytes):
+    """The export `name` of `instance` as a wasmtime Func or Memory (None: there is none, or it
+    is another kind): one lookup, where `Instance.exports` wraps every export of the module."""
+    item = ffi.wasmtime_extern_t()
+    if not _instance_export_get(store._context(), ctypes.byref(instance._instance), name, len(name),
+                                ctypes.byref(item)):
+        return None
+    if item.kind == ffi.WASMTIME_EXTERN_FUNC.value:
+        return wasmtime.Func._from_raw(item.of.func)
+    if item.kind == ffi.WASMTIME_EXTERN_MEMORY.value:
+        return wasmtime.Memory._from_raw(item.of.memory)
+    return None
 
 # The C half (fiber_native.c): the callbacks of our host functions, and the poll.
 _native = load_library(Path(__file__).with_name("fiber_native.c"))
@@ -415,6 +432,9 @@ class HostCall:
             self._memory = item.of.memory
         return memory_location(self._context, self._memory)
 
+
+_NO_VALUES = (ffi.wasmtime_val_t * 1)()  # what a call of no params and no results points at
+_ZEROS = [0] * MAX_PREFETCHED_OBJECTS  # (prefetch_with's padding)
 
 # A wasmtime_val_t: the kind byte, then the value at offset 8 (kind -> struct code and padding).
 _VALUE_CODE = {0: "i20x", 1: "q16x", 2: "f20x", 3: "d16x"}
@@ -748,6 +768,19 @@ class Fiber:
                            keep=(linker.linker, module, instance), owner=owner)
 
     @classmethod
+    def of_command(cls, store: wasmtime.Store, func: wasmtime.Func, owner: object = None) -> "Fiber":
+        """A fiber of a WASI command's `_start`, which takes and returns nothing (program.py
+        checked that at load): `Fiber(store, func)` without asking its type (a process's start
+        paid ~40 us of wasmtime-py objects for it)."""
+        def start(trap_slot, error_slot):
+            return ffi.wasmtime_func_call_async(store._context(), ctypes.byref(func._func), _NO_VALUES, 0,
+                                                _NO_VALUES, 0, trap_slot, error_slot)
+
+        fiber = cls.__new__(cls)
+        fiber._start(store, owner, start, list, keep=(func,))
+        return fiber
+
+    @classmethod
     def of_call(cls, store: wasmtime.Store, start, collect, keep: tuple, owner: object = None) -> "Fiber":
         """A fiber of any async call of wasmtime's C API (a component's call or instantiation,
         say): `start(trap_slot, error_slot)` starts it and returns its call future, `collect()`
@@ -800,16 +833,19 @@ class Fiber:
         They replace those given before. At most MAX_PREFETCHED_OBJECTS with the fiber's own
         two; None is skipped. CPython's id() is the object's address; an object freed since
         costs nothing (a prefetch never faults)."""
-        objects = [self, self._fields, *(item for item in objects if item is not None)]
+        objects = [self, self._fields, *[item for item in objects if item is not None]]
         unused = MAX_PREFETCHED_OBJECTS - len(objects)
         if unused < 0:
             raise ValueError(f"at most {MAX_PREFETCHED_OBJECTS - 2} objects besides the fiber's own")
         getsizeof = sys.getsizeof
         fields = self._fields
-        fields[_HOST_OBJECTS:_HOST_OBJECTS + MAX_PREFETCHED_OBJECTS] = array.array(
-            "Q", [*(id(item) - _OBJECT_PREFIX for item in objects), *([0] * unused)])
-        fields[_HOST_OBJECT_BYTES:_HOST_OBJECT_BYTES + MAX_PREFETCHED_OBJECTS] = array.array(
-            "Q", [*(min(_OBJECT_PREFIX + getsizeof(item), _MAX_OBJECT_BYTES) for item in objects), *([0] * unused)])
+        addresses = [id(item) - _OBJECT_PREFIX for item in objects]
+        sizes = [min(_OBJECT_PREFIX + getsizeof(item), _MAX_OBJECT_BYTES) for item in objects]
+        if unused:
+            addresses += _ZEROS[:unused]
+            sizes += _ZEROS[:unused]
+        fields[_HOST_OBJECTS:_HOST_OBJECTS + MAX_PREFETCHED_OBJECTS] = array.array("Q", addresses)
+        fields[_HOST_OBJECT_BYTES:_HOST_OBJECT_BYTES + MAX_PREFETCHED_OBJECTS] = array.array("Q", sizes)
 
     def set_fast_calls(self, calls: "FastCalls", memory: wasmtime.Memory,
                        handlers: Sequence[Callable[["Fiber", tuple, int], "int | bool | None"]]) -> None:
