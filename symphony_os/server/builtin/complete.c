@@ -7,8 +7,9 @@
  *   i32 prompt[n_prompt]; then n_stop times { i32 len; len bytes };
  *   then { i32 grammar_kind (-1: none), i32 len; len bytes }: a grammar every token keeps to
  *   (grammar-new's kinds; each branch a fork of it), its text ending once the grammar must end;
- *   then { i32 top_k (0: off), flags (bit 0: ignore EOS; bit 1: score the prompt), min_tokens; f32 presence_penalty,
- *          frequency_penalty, min_p (0: off), repetition_penalty (1: off); i32 n_bias } and
+ *   then { i32 top_k (0: off), flags (bit 0: ignore EOS; bit 1: score the prompt), min_tokens;
+ *          f32 presence_penalty, frequency_penalty, min_p (0: off), repetition_penalty (1: off);
+ *          i32 n_bias } and
  *   n_bias times { i32 id; f32 value }: logit biases, to which each branch adds its own
  *   penalties (presence: once a token occurred in the branch, frequency: for each time) and,
  *   before min_tokens, an EOS bias of -FLT_MAX: OpenAI's penalties as logit biases the program

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import struct
@@ -386,7 +387,7 @@ def prompt_pieces(detokenize, ids: list[int]) -> list[str]:
 class Choices:
     """Per-branch text, token log-probabilities and finish reasons of one request."""
 
-    def __init__(self, state: ServerState, request: CompletionRequest, chat: bool):
+    def __init__(self, state: ServerState, request: CompletionRequest, chat: bool, pieces: list[str] | None = None):
         self.state, self.request, self.chat = state, request, chat
         self.texts = [BranchText(state.engine.detokenize, request.stop, request.prompt_ids[-1:])
                       for _ in range(request.n)]
@@ -394,9 +395,10 @@ class Choices:
         self.finish_reasons: list[str | None] = [None] * request.n
         self.info: PromptInfo | None = None
         self.completion_tokens = 0
-        # Echo with log-probabilities (request.score_prompt): the prompt's tokens' texts, joined
-        # the echoed text, and each one's score after the first as the process sends it.
-        self.prompt_pieces = prompt_pieces(state.engine.detokenize, request.prompt_ids) if request.score_prompt else []
+        # Echo with log-probabilities (request.score_prompt): the prompt's tokens' texts (`pieces`,
+        # prompt_pieces' made off the event loop), joined the echoed text, and each one's score
+        # after the first as the process sends it.
+        self.prompt_pieces = pieces or []
         self.prompt_scores: list[tuple[float, list[tuple[int, float]]]] = []
 
     @property
@@ -417,7 +419,7 @@ class Choices:
         for at, (_, top) in enumerate(self.prompt_scores, start=1):
             before = detokenize([ids[at - 1]])
             tops.append({detokenize([ids[at - 1], token])[len(before):]: lp for token, lp in top})
-        offsets = [sum(len(piece) for piece in self.prompt_pieces[:i]) for i in range(len(self.prompt_pieces))]
+        offsets = [0, *itertools.accumulate(len(piece) for piece in self.prompt_pieces)][:len(self.prompt_pieces)]
         return {"tokens": list(self.prompt_pieces), "token_logprobs": [None] + [lp for lp, _ in self.prompt_scores],
                 "top_logprobs": tops, "text_offset": offsets}
 
@@ -572,14 +574,16 @@ def _completion_id(chat: bool) -> str:
 
 
 async def _respond(request: Request, body: SamplingBody, completions: list[CompletionRequest], chat: bool,
-                   plan: ToolPlan | None = None, echo: list[str] | None = None):
+                   plan: ToolPlan | None = None, echo: list[str] | None = None,
+                   pieces: list[list[str]] | None = None):
     """The response to `completions` (several: one a prompt of a /v1/completions request, their
     choices in prompt order, n each, as OpenAI and vLLM number them); `echo`: each prompt's text,
     put before its choices' text."""
     state: ServerState = request.app.state.symphony
     tenant = tenant_of(request)
-    choices = Choices(state, completions[0], chat) if len(completions) == 1 else \
-        PromptsChoices([Choices(state, completion, chat) for completion in completions])
+    pieces = pieces or [None] * len(completions)
+    choices = Choices(state, completions[0], chat, pieces[0]) if len(completions) == 1 else \
+        PromptsChoices([Choices(state, completion, chat, part) for completion, part in zip(completions, pieces)])
     count = sum(completion.n for completion in completions)
     scoring = completions[0].score_prompt  # echo with log-probabilities: the echo is the prompt's tokens' text
     if scoring:
@@ -748,16 +752,18 @@ async def completions(request: Request):
             prompts = [prompts]  # one prompt: a string, or its token ids
         if not 1 <= len(prompts) <= MAX_PROMPTS:
             raise OpenAIError(400, f"a request takes 1 to {MAX_PROMPTS} prompts", param="prompt")
-        completions, texts = [], []
+        completions, texts, pieces = [], [], []
         scoring = bool(body.echo) and body.logprobs is not None  # the prompt's log-probabilities too
         for prompt in prompts:
             # Tokenizing a long prompt takes a while: off the event loop.
             ids = await asyncio.to_thread(state.engine.tokenize, prompt) if isinstance(prompt, str) else list(prompt)
             completion = _sampling(state, body, ids, body.max_tokens, body.logprobs, chat=False)
             completions.append(dataclasses.replace(completion, score_prompt=True) if scoring else completion)
+            if scoring:  # (two short decodes a token: off the event loop too)
+                pieces.append(await asyncio.to_thread(prompt_pieces, state.engine.detokenize, ids))
             if body.echo:
                 texts.append(prompt if isinstance(prompt, str) else await asyncio.to_thread(state.engine.detokenize, ids))
-        return await _respond(request, body, completions, chat=False, echo=texts or None)
+        return await _respond(request, body, completions, chat=False, echo=texts or None, pieces=pieces or None)
     return await _guarded(handle)
 
 
