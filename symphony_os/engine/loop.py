@@ -560,10 +560,10 @@ class Engine:
             for chunk, seq in zip(chunks, seqs):
                 if seq.greedy_each:
                     request = chunk.request
-                    request.greedy_each = (request.greedy_each or []) + seq.argmax_each
-                elif seq.score_k >= 0:  # (kept where a GreedyEach keeps its argmaxes)
+                    request.each = (request.each or []) + seq.argmax_each
+                elif seq.score_k >= 0:
                     request = chunk.request
-                    request.greedy_each = (request.greedy_each or []) + seq.scores
+                    request.each = (request.each or []) + seq.scores
             results = process_logits(logits, wants, self._generator,
                                      masks.result() if masks is not None else None) if wants else []
         except Exception as error:  # a failed forward fails its batch, not the engine
@@ -587,11 +587,11 @@ class Engine:
                 request = chunk.request
                 want = request.want
                 if want.__class__ is ScoreEach:
-                    scores = request.greedy_each or []
+                    scores = request.each or []
                     result = PredResult(scores=[s[0] for s in scores], score_top_ids=[s[1] for s in scores],
                                         score_top_logprobs=[s[2] for s in scores])
                 else:
-                    result = PredResult(tokens=request.greedy_each or []) if isinstance(want, GreedyEach) else next(done)
+                    result = PredResult(tokens=request.each or []) if isinstance(want, GreedyEach) else next(done)
                 error = result.error  # its row alone failed (process_logits_reference)
                 finished.append((request, result if error is None else None, error))
         self._finish_all(finished, launched.tentative)

@@ -31,7 +31,7 @@ class PredRequest:
     """
 
     __slots__ = ("file", "tokens", "positions", "want", "future", "submitted_at", "done", "length_before",
-                 "started_at", "greedy_each", "tentative")
+                 "started_at", "each", "tentative")
 
     def __init__(self, file: KvFile, tokens: list[int], positions: list[int] | None, want: Want,
                  future: PredFuture | None = None):
@@ -45,7 +45,7 @@ class PredRequest:
         self.done = 0  # tokens already appended by earlier chunks
         self.length_before: int | None = None  # the file's length when the first chunk ran (for rollback)
         self.started_at: float | None = None
-        self.greedy_each: list[int] | None = None  # GreedyEach: argmaxes of the chunks so far
+        self.each: list | None = None  # GreedyEach's argmaxes, ScoreEach's scores: the chunks' so far
         self.tentative = False  # a step nobody asked for yet (speculation.py): its token is not the file's
 
     @property

@@ -374,14 +374,20 @@ def _usage(info: PromptInfo | None, completion_tokens: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": info.cached_tokens if info else 0}}
 
 
+def texts_after(detokenize, before: int | None, tokens: list[int]) -> list[str]:
+    """The text each of `tokens` adds after the token `before` (None: at the start): decoded
+    with it, as a text is (a sentencepiece token decoded alone loses its leading space)."""
+    if before is None:
+        return [detokenize([token]) for token in tokens]
+    context = detokenize([before])
+    return [detokenize([before, token])[len(context):] for token in tokens]
+
+
 def prompt_pieces(detokenize, ids: list[int]) -> list[str]:
-    """The text each prompt token adds, decoded after the token before it (a sentencepiece
-    token decoded alone loses its leading space): two short decodes a token, not the prompt's
-    every prefix."""
-    pieces = [detokenize(ids[:1])] if ids else []
-    for before, token in zip(ids, ids[1:]):
-        pieces.append(detokenize([before, token])[len(detokenize([before])):])
-    return pieces
+    """The text each prompt token adds, decoded after the token before it: two short decodes a
+    token, not the prompt's every prefix."""
+    return texts_after(detokenize, None, ids[:1]) + [texts_after(detokenize, before, [token])[0]
+                                                     for before, token in zip(ids, ids[1:])]
 
 
 class Choices:
@@ -417,8 +423,8 @@ class Choices:
         ids, detokenize = self.request.prompt_ids, self.state.engine.detokenize
         tops: list[dict | None] = [None]
         for at, (_, top) in enumerate(self.prompt_scores, start=1):
-            before = detokenize([ids[at - 1]])
-            tops.append({detokenize([ids[at - 1], token])[len(before):]: lp for token, lp in top})
+            texts = texts_after(detokenize, ids[at - 1], [token for token, _ in top])
+            tops.append({text: lp for text, (_, lp) in zip(texts, top)})
         offsets = [0, *itertools.accumulate(len(piece) for piece in self.prompt_pieces)][:len(self.prompt_pieces)]
         return {"tokens": list(self.prompt_pieces), "token_logprobs": [None] + [lp for lp, _ in self.prompt_scores],
                 "top_logprobs": tops, "text_offset": offsets}
@@ -465,12 +471,8 @@ class Choices:
     def _alternative_texts(self, branch: int, index: int, tokens: list[int]) -> list[str]:
         """The text each of `tokens` would add at `index` of the branch: decoded after the token
         before it (the prompt's last before the first), as the branch's text is."""
-        detokenize, ids = self.state.engine.detokenize, self.texts[branch].ids
-        at = len(self.texts[branch].context) + index
-        if at == 0:
-            return [detokenize([token]) for token in tokens]
-        before = detokenize([ids[at - 1]])
-        return [detokenize([ids[at - 1], token])[len(before):] for token in tokens]
+        ids, at = self.texts[branch].ids, len(self.texts[branch].context) + index
+        return texts_after(self.state.engine.detokenize, ids[at - 1] if at else None, tokens)
 
     def logprobs_json(self, branch: int, start: int = 0, with_prompt: bool = True) -> dict | None:
         """The log-probabilities of the branch's tokens from `start` on (a stream sends each
@@ -585,9 +587,7 @@ async def _respond(request: Request, body: SamplingBody, completions: list[Compl
     choices = Choices(state, completions[0], chat, pieces[0]) if len(completions) == 1 else \
         PromptsChoices([Choices(state, completion, chat, part) for completion, part in zip(completions, pieces)])
     count = sum(completion.n for completion in completions)
-    scoring = completions[0].score_prompt  # echo with log-probabilities: the echo is the prompt's tokens' text
-    if scoring:
-        echo = [part.echo for part in (choices.parts if isinstance(choices, PromptsChoices) else [choices])]
+    scoring = completions[0].score_prompt  # echo with log-probabilities (its text: the prompt's pieces)
     echoed = [prefix for prefix, completion in zip(echo, completions) for _ in range(completion.n)] if echo else None
     created, cid, model = int(time.time()), _completion_id(chat), body.model
     kind = "chat.completion" if chat else "text_completion"
@@ -759,9 +759,10 @@ async def completions(request: Request):
             ids = await asyncio.to_thread(state.engine.tokenize, prompt) if isinstance(prompt, str) else list(prompt)
             completion = _sampling(state, body, ids, body.max_tokens, body.logprobs, chat=False)
             completions.append(dataclasses.replace(completion, score_prompt=True) if scoring else completion)
-            if scoring:  # (two short decodes a token: off the event loop too)
+            if scoring:  # the echo is the prompt's tokens' texts, joined (two short decodes a token: off the loop)
                 pieces.append(await asyncio.to_thread(prompt_pieces, state.engine.detokenize, ids))
-            if body.echo:
+                texts.append("".join(pieces[-1]))
+            elif body.echo:
                 texts.append(prompt if isinstance(prompt, str) else await asyncio.to_thread(state.engine.detokenize, ids))
         return await _respond(request, body, completions, chat=False, echo=texts or None, pieces=pieces or None)
     return await _guarded(handle)
